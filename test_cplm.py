@@ -1,0 +1,1030 @@
+"""CPU test suite: `python -m pytest -q test_cplm.py` (a few minutes on 2 cores, no GPU, no internet)."""
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_gpt_cplm as tg
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(ROOT, "train_gpt_cplm.py")
+BOS, VOCAB = 499, 500  # the toy corpora's tokenizer: ids 0..499, BOS 499
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers: an independent shard writer and a tiny corpus
+
+
+def write_shard(path, tokens, version=1, vocab=VOCAB, magic=20240520, truncate=0):
+    header = np.zeros(256, dtype="<i4")
+    header[:4] = [magic, version, len(tokens), vocab]
+    body = np.asarray(tokens, dtype="<u2" if version == 1 else "<u4").tobytes()
+    with open(path, "wb") as f:
+        f.write(header.tobytes() + body[:len(body) - truncate])
+
+
+def toy_corpus(n, seed, vocab=VOCAB, bos=BOS):
+    """Documents of 20-300 tokens from a small alphabet, so tokens recur inside documents."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        out += [bos] + list(rng.integers(0, 60, rng.integers(20, 300)))
+    return out[:n]
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("toy")
+    write_shard(d / "toy_train_000000.bin", toy_corpus(60_000, 0))
+    write_shard(d / "toy_train_000001.bin", toy_corpus(60_000, 1))
+    write_shard(d / "toy_val_000000.bin", toy_corpus(20_000, 2))
+    return d
+
+
+def tiny_flags(data_dir, log_dir, **over):
+    flags = dict(preset="cpu", train_files=f"{data_dir}/toy_train_*.bin", val_files=f"{data_dir}/toy_val_*.bin",
+                 vocab_size=VOCAB, bos_id=BOS, num_layers=2, model_dim=64, num_heads=2, batch_size=1024,
+                 seq_len=256, val_seq_len=512, val_tokens=2048, num_iterations=6, val_loss_every=3,
+                 attn_window=256, attn_window_start=128, log_dir=log_dir, run_id="run")
+    flags.update(over)
+    return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+
+
+def run_cli(args, nproc=None, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT]
+    cmd = (cmd if nproc else [sys.executable, SCRIPT]) + args
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def log_values(path, kind):
+    text = open(path).read().split("=" * 100 + "\n", 1)[1]
+    return [float(x) for x in re.findall(rf"^step:\d+/\d+ {kind}:([-\d.naif]+)", text, re.M)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# data loader
+
+
+def test_loader_reads_independently_written_shards(tmp_path):
+    tokens = list(range(3000))
+    write_shard(tmp_path / "a_train_000000.bin", tokens[:2000])
+    write_shard(tmp_path / "a_train_000001.bin", tokens[2000:], version=2, vocab=70000)
+    assert list(tg.load_shard(str(tmp_path / "a_train_000000.bin"))) == tokens[:2000]
+    assert list(tg.load_shard(str(tmp_path / "a_train_000001.bin"))) == tokens[2000:]
+    # 2 ranks x 2 micro-steps of 128 tokens: each rank gets its rows, targets shifted by one
+    for rank in range(2):
+        loader = tg.TrainLoader(str(tmp_path / "a_train_*.bin"), 512, 128, rank, 2, None)
+        first = loader.next_batch("cpu")
+        assert [x[0, 0].item() for x, _ in first] == [128 * rank, 128 * (rank + 2)]
+        assert all(torch.equal(y[0, :-1], x[0, 1:]) and y[0, -1] == x[0, -1] + 1 for x, y in first)
+        for _ in range(2):
+            loader.next_batch("cpu")
+        # the fourth batch does not fit in shard 0 (2000 tokens): it starts shard 1
+        x, _ = loader.next_batch("cpu")[0]
+        assert x[0, 0].item() == 2000 + 128 * rank
+
+
+def test_loader_rejects_bad_shards(tmp_path):
+    cases = {"magic": dict(magic=1234), "version": dict(version=3), "truncated": dict(truncate=10)}
+    expect = {"magic": "not a token shard", "version": "unsupported shard version 3", "truncated": "truncated"}
+    for name, kw in cases.items():
+        path = tmp_path / f"{name}.bin"
+        write_shard(path, range(100), **{k: v for k, v in kw.items()})
+        with pytest.raises(tg.DataError, match=expect[name]):
+            tg.load_shard(str(path))
+    write_shard(tmp_path / "big.bin", range(100), vocab=70000)
+    with pytest.raises(tg.DataError, match="--vocab_size 70000"):
+        tg.load_shard(str(tmp_path / "big.bin"), vocab_size=50257)
+    with pytest.raises(tg.DataError, match="cached_fineweb10B.py"):
+        tg.find_shards(str(tmp_path / "nothing_*.bin"))
+
+
+def test_val_tokens_span_files(tmp_path):
+    write_shard(tmp_path / "v_val_000000.bin", range(100))
+    write_shard(tmp_path / "v_val_000001.bin", range(100, 300))
+    assert tg.load_val_tokens(str(tmp_path / "v_val_*.bin"), 256, None).tolist() == list(range(257))
+    with pytest.raises(tg.DataError, match="needs 301"):
+        tg.load_val_tokens(str(tmp_path / "v_val_*.bin"), 300, None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# attention: the dense CPU path against FlexAttention, and the block structure against the token mask
+
+
+def random_documents(B, T, bos, seed, vocab=8):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    ids[ids == bos] = 0
+    ids[:, 0] = bos
+    starts = torch.randint(1, T, (B, 4), generator=g)  # a few more documents per row
+    ids.scatter_(1, starts, bos)
+    return ids
+
+
+@pytest.mark.parametrize("window", [64, 128, 200, 384, 512])
+def test_dense_attention_matches_flex_forward(window):
+    torch.manual_seed(0)
+    B, H, T, d = 2, 2, 512, 16
+    doc_ids = tg.doc_ids_of(random_documents(B, T, 7, 0), 7)
+    q, k, v = torch.randn(3, B, H, T, d).unbind(0)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=tg.dense_attention_mask(doc_ids, window), scale=0.12)
+    flex = tg.flex_attention(q, k, v, block_mask=tg.flex_document_mask(doc_ids, window), scale=0.12)
+    torch.testing.assert_close(dense, flex, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [100, 128, 300, 1024])
+def test_block_structure_is_exact(window):
+    """Skipped blocks hold no allowed pair, full blocks only allowed pairs (the eager FlexAttention used on
+    CPU applies mask_mod everywhere, so the forward test alone cannot see a wrong 'full' block)."""
+    T, blk = 1024, 128
+    doc_ids = tg.doc_ids_of(random_documents(2, T, 7, 1), 7)
+    allowed = tg.dense_attention_mask(doc_ids, window)[:, 0]  # (B, T, T)
+    bm = tg.flex_document_mask(doc_ids, window)
+    per_block = allowed.view(2, T // blk, blk, T // blk, blk)
+    any_pair, all_pairs = per_block.any(4).any(2), per_block.all(4).all(2)
+
+    def blocks(counts, indices):
+        out = torch.zeros_like(any_pair)
+        for b in range(2):
+            for qb in range(T // blk):
+                out[b, qb, indices[b, 0, qb, :counts[b, 0, qb]].long()] = True
+        return out
+
+    partial = blocks(bm.kv_num_blocks, bm.kv_indices)
+    full = blocks(bm.full_kv_num_blocks, bm.full_kv_indices)
+    assert not (partial & full).any()
+    assert torch.equal(partial | full, any_pair)
+    assert (all_pairs | ~full).all()
+    assert partial.any() and (full.any() or window < 256)  # the test exercises both kinds
+
+
+# ----------------------------------------------------------------------------------------------------
+# the CPLM mixture: the dense reference against an independent per-position oracle
+
+
+def oracle_log_probs(lm_logits, q, k, sink_key, input_ids, copy_id):
+    """The method's equations in probability space, float64, one position at a time."""
+    B, T, V = lm_logits.shape
+    out = torch.empty(B, T, V, dtype=torch.float64)
+    d = q.size(-1)
+    for b in range(B):
+        for t in range(T):
+            p_full = lm_logits[b, t].double().softmax(-1)
+            c = p_full[copy_id]
+            p_lm = p_full / (1 - c)
+            p_lm[copy_id] = 0
+            scores = torch.cat([q[b, t].double() @ k[b, :t + 1].double().T, (q[b, t].double() @ sink_key.double())[None]])
+            alpha = (scores / math.sqrt(d)).softmax(-1)
+            s = alpha[-1]
+            p_cp = torch.zeros(V, dtype=torch.float64).index_add_(0, input_ids[b, :t + 1], alpha[:-1]) / (1 - s)
+            lam = c * (1 - s)
+            out[b, t] = ((1 - lam) * p_lm + lam * p_cp).log()
+    return out
+
+
+def random_mixture_inputs(B=2, T=24, V=40, d=8, seed=0, vocab_used=6, gate=3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    logits[..., V - 8] += gate  # copy_id = V - 8: a gate far from 0
+    q, k = torch.randn(2, B, T, d, generator=g).unbind(0)
+    sink = torch.randn(d, generator=g)
+    ids = torch.randint(0, vocab_used, (B, T), generator=g)
+    return logits, q, k, sink, ids, V - 8
+
+
+def test_reference_matches_oracle_and_is_a_distribution():
+    logits, q, k, sink, ids, copy_id = random_mixture_inputs()
+    ref = tg.cplm_log_probs(logits, q, k, sink, ids, copy_id)
+    assert ref.dtype == torch.float32 and ref.shape == logits.shape
+    assert torch.isneginf(ref[..., copy_id]).all()
+    torch.testing.assert_close(ref.logsumexp(-1), torch.zeros(ref.shape[:2]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ref.double(), oracle_log_probs(logits, q, k, sink, ids, copy_id), atol=2e-5, rtol=1e-5)
+
+
+def fast_log_p(logits, q, k, sink, ids, targets, copy_id, bos=None, chunk=512):
+    doc_ids = tg.doc_ids_of(ids, bos) if bos is not None else torch.zeros_like(ids)
+    copyable = tg.target_in_context(ids, targets, doc_ids, logits.size(-1))
+    return tg.cplm_target_log_prob(logits, q, k, sink, ids, targets, doc_ids, copyable, copy_id, "dense", chunk)
+
+
+@pytest.mark.parametrize("chunk", [5, 512])
+def test_fast_loss_matches_reference_values_and_gradients(chunk):
+    logits, q, k, sink, ids, copy_id = random_mixture_inputs(T=40, vocab_used=12)
+    targets = torch.randint(0, 12, ids.shape, generator=torch.Generator().manual_seed(5))
+    targets[0, :3] = 30  # never in the context
+    inputs = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
+    ref = tg.cplm_log_probs(*inputs, ids, copy_id).gather(-1, targets[..., None])[..., 0]
+    ref_grads = torch.autograd.grad(ref.sum(), inputs)
+    inputs2 = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
+    fast = fast_log_p(*inputs2, ids, targets, copy_id, chunk=chunk)
+    fast_grads = torch.autograd.grad(fast["log_p"].sum(), inputs2)
+    torch.testing.assert_close(fast["log_p"], ref, atol=1e-5, rtol=1e-5)
+    for name, a, b in zip(["logits", "q", "k", "sink"], fast_grads, ref_grads):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_documents_equal_separate_rows():
+    """Two documents packed in one row give the same log p and gradients as the two as separate rows."""
+    bos = 5
+    logits, q, k, sink, ids, copy_id = random_mixture_inputs(B=2, T=30, vocab_used=5)
+    ids[:, 0] = bos
+    targets = torch.randint(0, 7, ids.shape, generator=torch.Generator().manual_seed(1))
+    separate = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
+    ref = tg.cplm_log_probs(*separate, ids, copy_id).gather(-1, targets[..., None])[..., 0]
+    ref.sum().backward()
+    packed_in = [x.detach().reshape(1, 60, *x.shape[2:]).clone().requires_grad_() for x in (logits, q, k)]
+    sink_p = sink.clone().requires_grad_()
+    packed = fast_log_p(*packed_in, sink_p, ids.reshape(1, 60), targets.reshape(1, 60), copy_id, bos=bos, chunk=7)
+    packed["log_p"].sum().backward()
+    torch.testing.assert_close(packed["log_p"].view(2, 30), ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(packed_in + [sink_p], separate):
+        torch.testing.assert_close(a.grad.view_as(b.grad), b.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_uncopyable_targets_fall_back_to_the_lm_term():
+    logits, q, k, sink, ids, copy_id = random_mixture_inputs(T=16, vocab_used=3)
+    targets = torch.full_like(ids, 20)  # never occurs
+    inputs = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
+    out = fast_log_p(*inputs, ids, targets, copy_id)
+    out["log_p"].sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in inputs)
+    # log p(y) = log((1 - lam) p_LM(y))
+    p_full = logits.softmax(-1)
+    c = p_full[..., copy_id]
+    expected = ((1 - out["lam"].detach()) * p_full[..., 20] / (1 - c)).log()
+    torch.testing.assert_close(out["log_p"].detach(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["lam"].detach(), c * (1 - out["s"].detach()), atol=1e-6, rtol=1e-5)
+
+
+def test_flex_path_forward_on_cpu_matches_dense():
+    """The CUDA path's FlexAttention LSEs (forward runs on CPU) against the dense chunked path, packed."""
+    bos = 7
+    ids = random_documents(2, 256, bos, 3)
+    targets = torch.roll(ids, -1, dims=1)
+    targets[:, :5] = 100  # some targets never seen
+    doc_ids = tg.doc_ids_of(ids, bos)
+    copyable = tg.target_in_context(ids, targets, doc_ids, 128)
+    q, k = torch.randn(2, 2, 256, 16).unbind(0)
+    dense = tg.copy_lses(q, k, ids, targets, doc_ids, copyable, "dense", chunk=64)
+    flex = tg.copy_lses(q, k, ids, targets, doc_ids, copyable, "flex")
+    for a, b in zip(dense, flex):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_target_in_context_matches_brute_force():
+    ids = random_documents(2, 200, 7, 4)
+    targets = torch.randint(0, 9, ids.shape)
+    doc_ids = tg.doc_ids_of(ids, 7)
+    got = tg.target_in_context(ids, targets, doc_ids, 16)
+    for b in range(2):
+        for t in range(200):
+            same_doc = (doc_ids[b, :t + 1] == doc_ids[b, t]) & (ids[b, :t + 1] == targets[b, t])
+            assert got[b, t] == same_doc.any()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the model in both modes
+
+
+def tiny_model(cplm, **over):
+    torch.manual_seed(0)
+    cfg = tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=2, model_dim=32, num_heads=2, max_seq_len=256,
+                       cplm=cplm, **over)
+    model = tg.GPT(cfg)
+    with torch.no_grad():  # leave the zero init, so the heads say something
+        for p in model.parameters():
+            if p.ndim == 2 and not p.any():
+                p.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("cplm", [0, 1])
+def test_model_loss_token_stats_and_log_probs_agree(cplm):
+    model = tiny_model(cplm)
+    ids = torch.tensor(toy_corpus(129, 3)[1:])[None]
+    ids = torch.cat([torch.tensor([[BOS]]), ids[:, :127]], 1)  # one document
+    targets = torch.cat([ids[:, 1:], torch.tensor([[ids[0, 3]]])], 1)
+    loss = model(ids, targets)
+    stats = model(ids, targets, token_stats=True)
+    torch.testing.assert_close(loss, stats["nll"].mean())
+    log_probs = model.next_token_log_probs(ids)
+    assert log_probs.shape == (1, 128, model.config.padded_vocab)
+    torch.testing.assert_close(-log_probs.gather(-1, targets[..., None])[..., 0], stats["nll"], atol=1e-5, rtol=1e-5)
+    assert set(stats) >= ({"nll", "copyable", "lam", "c", "s"} if cplm else {"nll", "copyable"})
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_cplm_adds_only_the_cp_head_and_stop_grad_cuts_its_gradient():
+    vanilla, cplm = tiny_model(0), tiny_model(1, cp_dim=16)
+    extra = sum(p.numel() for p in cplm.parameters()) - sum(p.numel() for p in vanilla.parameters())
+    assert extra == 2 * 16 * 32 + 16 + 1  # W_Q, W_K, the sink key, the <copy> bias
+    assert cplm.config.padded_vocab == vanilla.config.padded_vocab == 512 and cplm.config.copy_id == VOCAB
+    ids = torch.tensor([[BOS] + list(range(10)) * 6 + [1] * 3])
+    targets = torch.roll(ids, -1, 1)
+    grads = {}
+    for stop in (0, 1):
+        model = tiny_model(1, cp_dim=16, cp_stop_grad=stop)
+        model(ids, targets).backward()
+        grads[stop] = model.blocks[0].mlp.c_fc.weight.grad.clone()
+        assert model.cp_head.w_q.weight.grad.abs().sum() > 0  # the CP head itself still learns
+    assert not torch.allclose(grads[0], grads[1])  # the CP head's gradient reaches the backbone...
+    # ...and with cp_stop_grad it is exactly the gradient of the loss with q, k held constant
+    model = tiny_model(1, cp_dim=16)
+    h, doc_ids = model.hidden_states(ids, ids.size(1))
+    q, k, sink = model.cp_head(h.detach())
+    copyable = tg.target_in_context(ids, targets, doc_ids, model.config.padded_vocab)
+    stats = tg.cplm_target_log_prob(model.lm_logits(h), q, k, sink, ids, targets, doc_ids, copyable, VOCAB)
+    (-stats["log_p"].mean()).backward()
+    torch.testing.assert_close(model.blocks[0].mlp.c_fc.weight.grad, grads[1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# optimizers and schedules
+
+
+def test_newton_schulz_orthogonalises_and_muon_scales():
+    G = torch.randn(2, 64, 32)
+    X = tg.newton_schulz(G)
+    s = torch.linalg.svdvals(X.float())
+    assert X.shape == G.shape and ((s > 0.5) & (s < 1.3)).all()  # the quintic's band around 1
+    p = torch.nn.Parameter(torch.zeros(64, 32))
+    p.grad = torch.randn(64, 32)
+    opt = tg.Muon([p], lr=0.1, momentum=0.9)
+    opt.step()
+    expected = -0.1 * 2 ** 0.5 * tg.newton_schulz(p.grad.lerp(p.grad * 0.1, 0.9))
+    torch.testing.assert_close(p.detach(), expected)
+
+
+def test_schedules():
+    a = tg.Hyperparameters(num_iterations=100, cooldown_frac=0.4, attn_window=1792, attn_window_start=128)
+    assert tg.lr_multiplier(0, a) == 1 and tg.lr_multiplier(59, a) == 1
+    assert tg.lr_multiplier(80, a) == pytest.approx(0.55) and tg.lr_multiplier(100, a) == pytest.approx(0.1)
+    windows = [tg.attention_window(s, a) for s in range(101)]
+    assert windows[0] == 128 and windows[-1] == 1792 and windows == sorted(windows)
+    assert all(w % 128 == 0 for w in windows)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the command line, end to end
+
+
+def test_cli_run_writes_a_complete_log(toy_data, tmp_path):
+    r = run_cli(tiny_flags(toy_data, tmp_path, cplm=1))
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = open(tmp_path / "run.txt").read()
+    assert log.startswith(open(SCRIPT).read())  # the code that ran
+    assert re.search(r"^hyperparameters: \{.*\"cplm\": 1", log, re.M)
+    assert len(log_values(tmp_path / "run.txt", "train_loss")) == 6
+    assert len(log_values(tmp_path / "run.txt", "val_loss")) == 3  # steps 0, 3, 6
+    assert re.search(r"^step:6/6 copy_share:[\d.]+ nll_copyable:[\d.]+ nll_other:[\d.]+ lam:[\d.]+ c:[\d.]+ s:[\d.]+$",
+                     log, re.M)
+    assert re.search(r"^peak memory", log, re.M) and re.search(r"^final val_loss:[\d.]+", log, re.M)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
+    (["--num_iterations", "many"], "invalid int value: 'many'"),
+    (["--cplm", "2"], "--cplm must be 0 or 1"),
+    (["--seq_len", "1000"], "multiple of 128"),
+    (["--preset", "tpu"], "--preset must be one of"),
+])
+def test_bad_flags_exit_2_with_one_line(args, message):
+    r = run_cli(args)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_data_names_the_download_command(tmp_path):
+    r = run_cli(["--preset", "cpu", "--train_files", str(tmp_path / "none_*.bin"), "--log_dir", str(tmp_path)])
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "python data/cached_fineweb10B.py" in r.stderr
+
+
+def test_two_processes_equal_one_with_accumulation(toy_data, tmp_path):
+    """1 process x 4 micro-steps and 2 processes x 2 micro-steps (gloo) train on the same data: same losses."""
+    flags = dict(num_iterations=4, val_loss_every=2, cplm=1)
+    one = run_cli(tiny_flags(toy_data, tmp_path, run_id="one", **flags))
+    two = run_cli(tiny_flags(toy_data, tmp_path, run_id="two", **flags), nproc=2)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    for kind in ("train_loss", "val_loss"):
+        a, b = log_values(tmp_path / "one.txt", kind), log_values(tmp_path / "two.txt", kind)
+        assert len(a) == len(b) > 0
+        np.testing.assert_allclose(a, b, rtol=1e-4)
+    assert "world_size: 2" in open(tmp_path / "two.txt").read()
+
+
+def test_resume_continues_the_same_loss_curve(toy_data, tmp_path):
+    full = run_cli(tiny_flags(toy_data, tmp_path, run_id="full", checkpoint_every=3))
+    assert full.returncode == 0, full.stderr[-2000:]
+    ckpt = tmp_path / "full" / "state_step000003.pt"
+    resumed = run_cli(tiny_flags(toy_data, tmp_path, run_id="resumed", resume=ckpt))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    np.testing.assert_allclose(log_values(tmp_path / "resumed.txt", "train_loss"),
+                               log_values(tmp_path / "full.txt", "train_loss")[3:], rtol=1e-6)
+    np.testing.assert_allclose(log_values(tmp_path / "resumed.txt", "val_loss")[-1],
+                               log_values(tmp_path / "full.txt", "val_loss")[-1], rtol=1e-6)
+
+
+def test_nan_loss_stops_with_a_message(toy_data, tmp_path):
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="nan", lr_embed="inf",
+                           num_iterations=20, val_loss_every=0))
+    assert r.returncode == 1
+    log = open(tmp_path / "nan.txt").read()
+    assert re.search(r"^stopped: train_loss is nan", log, re.M)
+
+# ====================================================================================================
+# data/tokenize_corpus.py and data/cached_fineweb10B.py
+
+TOKENIZE = Path(ROOT) / "data" / "tokenize_corpus.py"
+DOWNLOAD = Path(ROOT) / "data" / "cached_fineweb10B.py"
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tc = _load(TOKENIZE, "data_tokenize_corpus")
+dl = _load(DOWNLOAD, "data_cached_fineweb10B")
+
+
+def _run(args, env_update=None, unset=(), cwd=None):
+    env = dict(os.environ)
+    env.update(env_update or {})
+    for k in unset:
+        env.pop(k, None)
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=60)
+
+
+def _split_docs(tokens, bos):
+    """Split a token stream into documents at BOS (each document starts with BOS)."""
+    starts = np.flatnonzero(tokens == bos).tolist()
+    assert starts and starts[0] == 0, "stream must start with BOS"
+    return [tokens[a:b] for a, b in zip(starts, starts[1:] + [len(tokens)])]
+
+
+def _read_split(out_dir, name, split):
+    files = sorted(Path(out_dir).glob(f"{name}_{split}_*.bin"))
+    headers, arrays = zip(*(tc.read_shard(f) for f in files))
+    return files, list(headers), np.concatenate(arrays)
+
+
+def _make_corpus(root):
+    """Files on disk + the documents they should produce, in order, for inputs [a.txt, tree/, e.jsonl]."""
+    (root / "tree" / "sub").mkdir(parents=True)
+    (root / "tree" / ".hidden").mkdir()
+    files = {
+        "a.txt": "plain text file\nwith two lines\n",
+        "tree/b.md": "# markdown\n",
+        "tree/c.py": "print('hi')  # <|endoftext|> is just text here\n",
+        "tree/sub/d.txt": "caf\u00e9 \u2603 non-ascii\n",
+        "tree/empty.txt": "  \n\n",          # whitespace only: skipped
+        "tree/skip.bin": "not matched by --glob",  # filtered out
+        "tree/.hidden/h.txt": "hidden folder: skipped",
+    }
+    for rel, text in files.items():
+        (root / rel).write_text(text, encoding="utf-8")
+    (root / "tree" / "sub" / "bad.txt").write_bytes(b"bad \xff\xfe bytes\n")  # undecodable: replaced
+    records = [{"text": "first json doc", "id": 1}, {"text": ""}, {"text": "second \"json\" doc\n"},
+               {"text": "third <|endoftext|> doc"}]
+    (root / "e.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n\n", encoding="utf-8")
+    docs = [files["a.txt"], files["tree/b.md"], files["tree/c.py"], "bad \ufffd\ufffd bytes\n", files["tree/sub/d.txt"],
+            "first json doc", "second \"json\" doc\n", "third <|endoftext|> doc"]
+    return [root / "a.txt", root / "tree", root / "e.jsonl"], docs
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokenize_corpus.py
+
+def test_bytes_corpus_split_and_headers(tmp_path, capsys):
+    inputs, docs = _make_corpus(tmp_path)
+    out = tmp_path / "out"
+    frac, seed = 0.4, 3
+    rc = tc.main([*map(str, inputs), "--encoding", "bytes", "--out_dir", str(out), "--name", "toy",
+                  "--val_fraction", str(frac), "--seed", str(seed)])
+    assert rc == 0
+    assert "docs" in capsys.readouterr().out
+    expected = [np.array([256] + list(d.encode("utf-8")), dtype=np.uint32) for d in docs]
+    got = {}
+    for split in ("val", "train"):
+        files, headers, tokens = _read_split(out, "toy", split)
+        assert [f.name for f in files] == [f"toy_{split}_000000.bin"]
+        for h, f in zip(headers, files):
+            assert (h["magic"], h["version"], h["vocab_size"]) == (20240520, 1, 257)
+            assert f.stat().st_size == 1024 + 2 * h["num_tokens"]
+        assert sum(h["num_tokens"] for h in headers) == len(tokens)
+        got[split] = _split_docs(tokens, 256)
+    # the split follows the hash rule (unless a split would be empty), is disjoint and covers every doc in order
+    val_idx = [i for i in range(len(docs)) if tc.is_val(seed, i, frac)]
+    assert 0 < len(val_idx) < len(docs), "pick a seed giving both splits for this test"
+    assert [d.tolist() for d in got["val"]] == [expected[i].tolist() for i in val_idx]
+    assert [d.tolist() for d in got["train"]] == [expected[i].tolist() for i in range(len(docs)) if i not in val_idx]
+    assert sum(map(len, got["val"] + got["train"])) == sum(map(len, expected))
+    assert not list(out.glob(".*")), "no temporary files left"
+
+
+def test_shard_cutting_stale_files_and_max_tokens(tmp_path):
+    inputs, docs = _make_corpus(tmp_path)
+    out = tmp_path / "out"
+    stream = np.concatenate([[256] + list(d.encode("utf-8")) for d in docs])
+    common = [*map(str, inputs), "--encoding", "bytes", "--out_dir", str(out), "--name", "s", "--val_fraction", "0.2"]
+    assert tc.main(common + ["--shard_tokens", "16"]) == 0
+    train_files, headers, train = _read_split(out, "s", "train")
+    _, _, val = _read_split(out, "s", "val")
+    assert len(train_files) > 3 and all(h["num_tokens"] == 16 for h in headers[:-1])
+    assert 1 <= headers[-1]["num_tokens"] <= 16 and train[0] == 256
+    assert len(train) + len(val) == len(stream)
+    # a rerun with bigger shards replaces the set: no stale shard of the earlier run remains
+    assert tc.main(common + ["--shard_tokens", "1000000"]) == 0
+    assert [f.name for f in sorted(out.glob("s_*.bin"))] == ["s_train_000000.bin", "s_val_000000.bin"]
+    # --max_tokens caps the total (the last document is truncated), both splits still non-empty
+    assert tc.main(common + ["--max_tokens", "40"]) == 0
+    _, _, train = _read_split(out, "s", "train")
+    _, _, val = _read_split(out, "s", "val")
+    assert len(train) + len(val) == 40 and train[0] == 256 and val[0] == 256
+
+
+def test_small_corpus_forces_both_splits(tmp_path):
+    (tmp_path / "x.txt").write_text("one")
+    (tmp_path / "y.txt").write_text("two")
+    out = tmp_path / "out"
+    assert tc.main([str(tmp_path / "x.txt"), str(tmp_path / "y.txt"), "--encoding", "bytes",
+                    "--out_dir", str(out), "--name", "p"]) == 0
+    _, _, val = _read_split(out, "p", "val")
+    _, _, train = _read_split(out, "p", "train")
+    assert len(_split_docs(val, 256)) == 1 and len(_split_docs(train, 256)) == 1
+
+
+class _WideEncoding:
+    """A fake tokenizer whose ids exceed uint16."""
+    name, n_vocab, eot_token = "wide", 70_000, 69_999
+
+    def encode_ordinary(self, text):
+        return [65_536 + ord(c) % 4000 for c in text]
+
+
+def test_version2_when_ids_exceed_uint16(tmp_path):
+    docs = ["abc", "hello world", "zzz", "more text"]
+    summary = tc.tokenize_corpus(iter(docs), _WideEncoding(), tmp_path, "w", val_fraction=0.3, num_threads=1,
+                                 log=lambda *a: None)
+    assert summary["versions"] == [2]
+    alltok = []
+    for split in ("val", "train"):
+        files, headers, tokens = _read_split(tmp_path, "w", split)
+        assert all((h["version"], h["vocab_size"]) == (2, 70_000) for h in headers)
+        assert all(f.stat().st_size == 1024 + 4 * h["num_tokens"] for f, h in zip(files, headers))
+        assert tokens.dtype == np.uint32 and tokens[0] == 69_999
+        alltok.append(tokens)
+    assert sorted(np.concatenate(alltok).tolist()) == sorted(
+        sum(([69_999] + _WideEncoding().encode_ordinary(d) for d in docs), []))
+    # write_shard on its own: uint16 up to a 65536 vocabulary, ids checked against the vocabulary
+    p = tmp_path / "one.bin"
+    assert tc.write_shard(p, [0, 65_535], 65_536) == 1
+    assert tc.read_shard(p)[1].tolist() == [0, 65_535]
+    with pytest.raises(ValueError):
+        tc.write_shard(p, [50_257], 50_257)
+    p.write_bytes(b"\0" * 100)
+    with pytest.raises(ValueError):
+        tc.read_shard_header(p)
+
+
+@pytest.mark.skipif(not os.environ.get("TIKTOKEN_CACHE_DIR"), reason="needs TIKTOKEN_CACHE_DIR holding gpt2")
+def test_gpt2_roundtrip(tmp_path):
+    try:
+        enc = tc.load_encoding("gpt2")
+    except tc.TokenizerUnavailable:
+        pytest.skip("gpt2 not in TIKTOKEN_CACHE_DIR")
+    inputs, docs = _make_corpus(tmp_path)
+    out = tmp_path / "out"
+    assert tc.main([*map(str, inputs), "--out_dir", str(out), "--name", "g", "--val_fraction", "0.3",
+                    "--threads", "2"]) == 0
+    decoded = []
+    for split in ("val", "train"):
+        _, headers, tokens = _read_split(out, "g", split)
+        assert all((h["version"], h["vocab_size"]) == (1, 50_257) for h in headers)
+        decoded += [(i, enc.decode(d[1:].tolist())) for i, d in enumerate(_split_docs(tokens, 50_256))]
+    # a literal "<|endoftext|>" in the text is plain text, not a BOS: one BOS per document exactly
+    assert sorted(t for _, t in decoded) == sorted(docs)
+
+
+def test_gpt2_unavailable_is_one_line_exit_1(tmp_path, monkeypatch, capsys):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no route to openaipublic.blob.core.windows.net")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    (tmp_path / "a.txt").write_text("x")
+    rc = tc.main([str(tmp_path / "a.txt"), "--out_dir", str(tmp_path / "o"), "--name", "n"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1
+    assert "GPT-2 tokenizer" in err[0] and "TIKTOKEN_CACHE_DIR" in err[0] and "--encoding bytes" in err[0]
+
+
+def test_bad_inputs_exit_2_nothing_written(tmp_path):
+    out = tmp_path / "out"
+    r = _run([TOKENIZE, tmp_path / "missing.txt", "--encoding", "bytes", "--out_dir", out, "--name", "m"])
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "missing.txt" in r.stderr
+    r = _run([TOKENIZE, "--encoding", "bytes", "--out_dir", out, "--name", "m"])  # no input at all
+    assert r.returncode == 2
+    (tmp_path / "ok.txt").write_text("fine")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"}\nnot json\n')
+    r = _run([TOKENIZE, tmp_path / "ok.txt", tmp_path / "bad.jsonl", "--encoding", "bytes", "--out_dir", out,
+              "--name", "m"])
+    assert r.returncode == 2 and "bad.jsonl:3" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir()), "nothing (not even a temporary file) is left"
+    r = _run([TOKENIZE, tmp_path / "ok.txt", "--encoding", "bytes", "--out_dir", out, "--name", "m"])
+    assert r.returncode == 2 and "at least 2" in r.stderr  # a single document cannot be split
+
+
+def test_stdlib_listing():
+    files = tc.stdlib_files()
+    assert len(files) > 500 and all(f.suffix == ".py" for f in files)
+    assert not any("site-packages" in f.parts for f in files)
+    assert files == tc.stdlib_files()  # deterministic
+
+
+# ----------------------------------------------------------------------------------------------------
+# cached_fineweb10B.py
+
+UNREACHABLE = {"HF_ENDPOINT": "http://127.0.0.1:9"}
+
+
+def _fake_shard(path, ntok=5):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tc.write_shard(path, np.full(ntok, 50256), 50257)
+
+
+def test_download_skips_present_files(tmp_path):
+    # a copy of the script in a fresh folder: the default target is next to the script, whatever the cwd
+    (tmp_path / "data").mkdir()
+    script = tmp_path / "data" / "cached_fineweb10B.py"
+    script.write_text(DOWNLOAD.read_text())
+    for name in ["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"]:
+        _fake_shard(tmp_path / "data" / "fineweb10B" / name)
+    r = _run([script, "2"], UNREACHABLE, unset=["HF_HUB_OFFLINE"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    skipped = [l for l in r.stdout.splitlines() if l.startswith("skip ")]
+    assert len(skipped) == 3 and str(tmp_path / "data" / "fineweb10B") in skipped[0]
+    assert "fineweb_train_000002.bin" in skipped[2]
+    # --edu uses its own names and folder
+    for name in ["finewebedu_val_000000.bin", "finewebedu_train_000001.bin"]:
+        _fake_shard(tmp_path / "edu" / name)
+    r = _run([script, "1", "--edu", "--dir", tmp_path / "edu"], UNREACHABLE, unset=["HF_HUB_OFFLINE"])
+    assert r.returncode == 0, r.stderr
+    assert sum(l.startswith("skip ") for l in r.stdout.splitlines()) == 2
+
+
+def test_download_unreachable_hub_one_line_exit_1(tmp_path):
+    target = tmp_path / "fw"
+    r = _run([DOWNLOAD, "1", "--dir", target], UNREACHABLE, unset=["HF_HUB_OFFLINE"])
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "huggingface.co" in lines[0] and "fineweb_val_000000.bin" in lines[0]
+    assert not target.exists(), "nothing left behind"
+
+
+def test_download_bad_args_and_broken_local_file(tmp_path):
+    assert _run([DOWNLOAD, "0", "--dir", tmp_path]).returncode == 2
+    assert _run([DOWNLOAD, "two", "--dir", tmp_path]).returncode == 2
+    (tmp_path / "fineweb_val_000000.bin").write_bytes(b"\0" * 2000)  # not a shard
+    r = _run([DOWNLOAD, "1", "--dir", tmp_path], UNREACHABLE, unset=["HF_HUB_OFFLINE"])
+    assert r.returncode == 1 and "delete it" in r.stderr
+
+
+def test_download_failure_midway_leaves_no_partial_file(tmp_path, monkeypatch):
+    import huggingface_hub
+    calls, failing = [], {"fineweb_train_000001.bin"}
+
+    def fake_download(repo_id, filename, repo_type, local_dir):
+        assert repo_type == "dataset" and repo_id == "kjj0/fineweb10B-gpt2"
+        calls.append(filename)
+        if filename in failing:  # dies half way, as hf_hub_download would: a partial .incomplete file
+            hfdir = Path(local_dir) / ".cache" / "huggingface" / "download"
+            hfdir.mkdir(parents=True, exist_ok=True)
+            (hfdir / f"abc.{filename}.incomplete").write_bytes(b"partial")
+            raise OSError("connection reset by peer")
+        _fake_shard(Path(local_dir) / filename)
+        return str(Path(local_dir) / filename)
+
+    monkeypatch.setattr(dl, "_hub_unreachable", lambda endpoint: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    target = tmp_path / "fw"
+    assert dl.download(2, local_dir=target, out=lambda *a: None) == 1
+    assert calls == ["fineweb_val_000000.bin", "fineweb_train_000001.bin"]
+    assert sorted(p.name for p in target.iterdir()) == [".cache", "fineweb_val_000000.bin"]
+    assert not list(target.rglob("*.incomplete"))
+    # the rerun skips the finished file and fetches the rest
+    calls.clear()
+    failing.clear()
+    assert dl.download(2, local_dir=target, out=lambda *a: None) == 0
+    assert calls == ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+
+# ====================================================================================================
+# records/compare.py
+
+COMPARE_PATH = Path(ROOT) / "records" / "compare.py"
+
+
+def _load_compare():
+    spec = importlib.util.spec_from_file_location("records_compare", COMPARE_PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+compare = _load_compare()
+
+# A fake copy of the training script's source, as it appears at the top of
+# every log.  None of these lines may be parsed as measurements.
+FAKE_SOURCE = '''import json
+"""Example output:
+step:1/2 val_loss:0.1000 train_time:1ms step_avg:1.00ms
+"""
+def log_val(step, args, val_loss, training_time_ms):
+    print0(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms")
+print0(f"hyperparameters: {json.dumps(vars(args))}")
+print0(f"run_id: {run_id}")
+step:{step}/{args.num_iterations} train_loss:{loss:.4f} train_time:{t:.0f}ms
+hyperparameters: {not json at all}
+'''
+
+
+# Source with only f-string templates (no literal example lines).
+FSTRING_SOURCE = "\n".join(l for l in FAKE_SOURCE.splitlines() if "0.1000" not in l)
+
+
+def write_log(path, run_id, hparams, vals, trains=(), diags=(), stopped=None, source=True):
+    """vals: list of (step, loss, time_ms); total steps from hparams."""
+    total = hparams.get("num_iterations", 500)
+    lines = []
+    if source:
+        lines.append(FAKE_SOURCE)
+        lines.append("=" * 40)
+    lines.append(f"run_id: {run_id}")
+    lines.append("hyperparameters: " + json.dumps(hparams))
+    for step, loss, t in vals:
+        avg = "nan" if step == 0 else f"{t / step:.2f}"
+        lines.append(f"step:{step}/{total} val_loss:{loss:.4f} train_time:{t}ms step_avg:{avg}ms")
+        for ts, tl, tt in trains:
+            if ts == step + 1:
+                lines.append(f"step:{ts}/{total} train_loss:{tl:.4f} train_time:{tt}ms step_avg:1.0ms")
+        for d in diags:
+            if d[0] == step:
+                lines.append(f"step:{step}/{total} " + d[1])
+    if stopped:
+        lines.append(f"stopped: {stopped}")
+    lines.append("peak memory allocated: 1234 MiB reserved: 1300 MiB")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def hp(seed, **kw):
+    d = {"preset": "cpu", "cplm": 1, "seed": seed, "num_iterations": 300, "attn_window": 1024}
+    d.update(kw)
+    return d
+
+
+# val curve crossing 3.28 between step 200 (3.30) and 300 (3.20):
+# interpolated step = 200 + (3.30-3.28)/(3.30-3.20)*100 = 220, time 22000 ms
+CURVE_A = [(0, 10.8254, 0), (100, 4.0, 10000), (200, 3.30, 20000), (300, 3.20, 30000)]
+
+
+def test_parse_log_ignores_source_header(tmp_path):
+    p = write_log(tmp_path / "a.txt", "abc123", hp(0), CURVE_A,
+                  trains=[(1, 10.81, 152)],
+                  diags=[(100, "copy_share:0.412 nll_copyable:2.31 nll_other:5.02 lambda:0.21 c:0.30 s:0.35")])
+    log = compare.parse_log(p)
+    assert log["run_id"] == "abc123"
+    assert log["hyperparameters"]["seed"] == 0
+    assert log["hyperparameters"]["cplm"] == 1
+    assert [v["step"] for v in log["val"]] == [0, 100, 200, 300]
+    assert log["val"][0]["loss"] == pytest.approx(10.8254)
+    assert log["val"][-1]["time_ms"] == 30000
+    assert log["val"][-1]["total"] == 300
+    assert len(log["train"]) == 1 and log["train"][0]["loss"] == pytest.approx(10.81)
+    assert log["diagnostics"][0]["lambda"] == pytest.approx(0.21)
+    assert log["diagnostics"][0]["step"] == 100
+    assert log["peak_mem_mib"] == 1234
+    assert log["stopped"] is None
+
+
+def test_parse_log_without_hparams_and_stopped(tmp_path):
+    p = tmp_path / "run9.txt"
+    p.write_text("x = 1\n"
+                 "step:0/100 val_loss:10.0 train_time:0ms step_avg:nanms\n"
+                 "step:50/100 val_loss:nan train_time:500ms step_avg:10.00ms\n"
+                 "stopped: nan loss at step 50\n")
+    log = compare.parse_log(p)
+    assert log["run_id"] == "run9"
+    assert log["hyperparameters"] == {}
+    assert math.isnan(log["val"][-1]["loss"])
+    assert log["stopped"] == "nan loss at step 50"
+
+
+def test_parse_log_no_val_lines_raises(tmp_path):
+    p = tmp_path / "empty.txt"
+    p.write_text(FSTRING_SOURCE)
+    with pytest.raises(compare.LogError):
+        compare.parse_log(p)
+    # crashed right after printing its hyperparameters: the example line in
+    # the source docstring must not count
+    p.write_text(FAKE_SOURCE + "run_id: x\nhyperparameters: {\"seed\": 0}\n")
+    with pytest.raises(compare.LogError):
+        compare.parse_log(p)
+
+
+def test_target_crossing_and_interpolation():
+    val = [dict(step=s, loss=l, time_ms=t, total=300) for s, l, t in CURVE_A]
+    c = compare.target_crossing(val, 3.28)
+    assert c["step"] == 300 and c["time_ms"] == 30000
+    assert c["interp_step"] == pytest.approx(220.0)
+    assert c["interp_time_ms"] == pytest.approx(22000.0)
+    # exactly equal counts as reached
+    c = compare.target_crossing(val, 3.30)
+    assert c["step"] == 200 and c["interp_step"] == pytest.approx(200.0)
+    assert compare.target_crossing(val, 3.0) is None
+    # first evaluation already below the target
+    c = compare.target_crossing(val, 11.0)
+    assert c["step"] == 0 and c["interp_step"] == 0.0
+
+
+def _make_runs(tmp_path):
+    # group cplm=1: 3 seeds; group cplm=0 (vanilla): 2 seeds
+    finals1 = [3.25, 3.26, 3.27]
+    for seed, f in enumerate(finals1):
+        curve = [(0, 10.8, 0), (100, 4.0, 10000), (200, 3.30, 20000), (300, f, 30000)]
+        write_log(tmp_path / f"c1_{seed}.txt", f"c1s{seed}", hp(seed), curve)
+    finals0 = [3.40, 3.42]
+    for seed, f in enumerate(finals0):
+        curve = [(0, 10.8, 0), (100, 4.2, 12000), (200, 3.6, 24000), (300, f, 36000)]
+        write_log(tmp_path / f"c0_{seed}.txt", f"c0s{seed}", hp(seed, cplm=0), curve)
+    return finals1, finals0
+
+
+def test_grouping_by_seed_mean_std(tmp_path):
+    finals1, finals0 = _make_runs(tmp_path)
+    logs = [compare.parse_log(p) for p in sorted(tmp_path.glob("*.txt"))]
+    groups = compare.group_runs(logs)
+    labels = sorted(g["label"] for g in groups)
+    assert labels == ["cplm=0", "cplm=1"]
+    res = compare.compare(logs, target=3.28)
+    g1 = next(g for g in res["groups"] if g["label"] == "cplm=1")
+    g0 = next(g for g in res["groups"] if g["label"] == "cplm=0")
+    assert g1["n"] == 3 and g0["n"] == 2
+    assert g1["final_val_loss"]["mean"] == pytest.approx(3.26)
+    assert g1["final_val_loss"]["std"] == pytest.approx(0.01)  # ddof=1
+    assert g0["final_val_loss"]["std"] == pytest.approx(math.sqrt(0.0002))
+    assert g1["n_reached"] == 3 and g0["n_reached"] == 0
+    # interpolated steps: 200 + 0.02/(3.30-f)*100 for each f
+    exp = [200 + 0.02 / (3.30 - f) * 100 for f in finals1]
+    assert g1["interp_steps_to_target"]["mean"] == pytest.approx(sum(exp) / 3)
+    assert g1["steps_to_target"]["mean"] == pytest.approx(300)
+    # t-test: t = (3.28-3.26)/(0.01/sqrt(3)), df=2
+    t = 0.02 / (0.01 / math.sqrt(3))
+    assert g1["ttest"]["t"] == pytest.approx(t)
+    assert g1["ttest"]["df"] == 2
+    # df=2 closed form: sf(t) = 0.5 - t / (2 sqrt(t^2 + 2))
+    assert g1["ttest"]["p"] == pytest.approx(0.5 - t / (2 * math.sqrt(t * t + 2)), rel=1e-9)
+    assert g0["ttest"]["p"] > 0.5
+
+
+def test_group_by_and_ignore(tmp_path):
+    write_log(tmp_path / "a.txt", "a", hp(0, attn_window=256, lr=0.1), CURVE_A)
+    write_log(tmp_path / "b.txt", "b", hp(1, attn_window=256, lr=0.2), CURVE_A)
+    write_log(tmp_path / "c.txt", "c", hp(0, attn_window=1024, lr=0.1), CURVE_A)
+    logs = [compare.parse_log(p) for p in sorted(tmp_path.glob("*.txt"))]
+    assert len(compare.group_runs(logs)) == 3
+    g = compare.group_runs(logs, ignore=["lr"])
+    assert sorted(x["label"] for x in g) == ["attn_window=1024", "attn_window=256"]
+    g = compare.group_runs(logs, group_by=["lr"])
+    assert sorted((x["label"], len(x["logs"])) for x in g) == [("lr=0.1", 2), ("lr=0.2", 1)]
+    g = compare.group_runs(logs, group_by=["cplm"])
+    assert [x["label"] for x in g] == ["all"]
+
+
+def test_students_t_sf_known_values():
+    sf = compare.students_t_sf
+    assert sf(2.0, 5) == pytest.approx(0.05097, abs=1e-5)
+    assert sf(3.747, 4) == pytest.approx(0.0100, abs=1e-4)
+    assert sf(1.0, 1) == pytest.approx(0.25, abs=1e-12)  # Cauchy
+    assert sf(0.0, 7) == pytest.approx(0.5)
+    assert sf(-2.0, 5) == pytest.approx(1 - 0.05097, abs=1e-5)
+    assert sf(2.015, 5) == pytest.approx(0.05, abs=1e-4)
+    assert sf(31.821, 1) == pytest.approx(0.01, abs=1e-5)
+    for t in (0.5, 1.0, 1.96, 3.0):
+        normal = 0.5 * math.erfc(t / math.sqrt(2))
+        assert sf(t, 1e7) == pytest.approx(normal, abs=1e-6)
+        assert sf(t, math.inf) == pytest.approx(normal, abs=1e-15)
+        assert compare.students_t_cdf(t, 3) == pytest.approx(1 - sf(t, 3))
+    assert compare.betainc(2.0, 3.0, 0.4) == pytest.approx(0.5248, abs=1e-4)
+
+
+def test_single_run_ttest_needs_two():
+    assert compare.one_sided_ttest_below([3.2], 3.28) is None
+    assert compare.mean_std([3.2]) == (3.2, None)
+    assert compare.mean_std([]) == (None, None)
+
+
+def test_convergence_ratio(tmp_path):
+    _make_runs(tmp_path)
+    logs = [compare.parse_log(p) for p in sorted(tmp_path.glob("*.txt"))]
+    res = compare.compare(logs, target_from="cplm=0")
+    assert res["target"] == pytest.approx(3.41)
+    assert res["reference"]["label"] == "cplm=0"
+    assert res["reference"]["mean_final_step"] == 300
+    g1 = next(g for g in res["groups"] if g["label"] == "cplm=1")
+    # cplm=1 curves cross 3.41 between step 100 (4.0) and 200 (3.30)
+    istep = 100 + (4.0 - 3.41) / (4.0 - 3.30) * 100
+    itime = 10000 + (4.0 - 3.41) / (4.0 - 3.30) * 10000
+    assert g1["convergence_ratio"]["steps"] == pytest.approx(istep / 300)
+    assert g1["convergence_ratio"]["time"] == pytest.approx(itime / 36000)
+    # label substring works as well
+    res2 = compare.compare(logs, target_from="=0")
+    assert res2["reference"]["label"] == "cplm=0"
+    with pytest.raises(ValueError):
+        compare.compare(logs, target_from="nomatch")
+    with pytest.raises(ValueError):
+        compare.compare(logs, target_from="cplm")  # ambiguous
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, str(COMPARE_PATH), *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_table_and_json(tmp_path):
+    _make_runs(tmp_path)
+    r = _run_cli(str(tmp_path / "*.txt"), "--target", "3.28")
+    assert r.returncode == 0, r.stderr
+    assert "cplm=1" in r.stdout and "not reached" in r.stdout and "interp" in r.stdout
+    r = _run_cli(tmp_path, "--json", "--target_from", "cplm=0")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["reference"]["label"] == "cplm=0"
+    assert {g["label"] for g in data["groups"]} == {"cplm=0", "cplm=1"}
+
+
+def test_cli_errors(tmp_path):
+    r = _run_cli(tmp_path / "nothing*.txt")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "no log files matched" in r.stderr
+    bad = tmp_path / "bad.txt"
+    bad.write_text(FSTRING_SOURCE)
+    r = _run_cli(bad)
+    assert r.returncode == 2 and "no val_loss lines" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    # a bad file next to good ones is skipped with a warning
+    write_log(tmp_path / "good.txt", "good", hp(0), CURVE_A)
+    r = _run_cli(tmp_path / "*.txt")
+    assert r.returncode == 0
+    assert "warning" in r.stderr and "bad.txt" in r.stderr
+    r = _run_cli(tmp_path / "good.txt", "--target_from", "nomatch")
+    assert r.returncode == 2 and "nomatch" in r.stderr
+
+
+def test_cli_single_run_says_needs_two(tmp_path):
+    write_log(tmp_path / "good.txt", "good", hp(0), CURVE_A)
+    r = _run_cli(tmp_path / "good.txt")
+    assert r.returncode == 0 and "n>=2" in r.stdout
+
+
+def test_import_has_no_side_effects(capsys):
+    _load_compare()
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+def test_plot_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    _make_runs(logdir)
+    out = tmp_path / "cmp.png"
+    assert compare.main([str(logdir), "--plot", str(out)]) == 0
+    assert out.exists() and out.stat().st_size > 1000
+
+
+def test_plot_without_matplotlib_is_clean_error(tmp_path, monkeypatch, capsys):
+    write_log(tmp_path / "good.txt", "good", hp(0), CURVE_A)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import -> ImportError
+    rc = compare.main([str(tmp_path / "good.txt"), "--plot", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "matplotlib" in err and err.strip().count("\n") == 0
+    assert not (tmp_path / "x.png").exists()
