@@ -215,7 +215,7 @@ def test_reference_matches_oracle_and_is_a_distribution():
 def fast_log_p(logits, q, k, sink, ids, targets, copy_id, bos=None, chunk=512):
     doc_ids = tg.doc_ids_of(ids, bos) if bos is not None else torch.zeros_like(ids)
     copyable = tg.target_in_context(ids, targets, doc_ids, logits.size(-1))
-    return tg.cplm_target_log_prob(logits, q, k, sink, ids, targets, doc_ids, copyable, copy_id, "dense", chunk)
+    return tg.cplm_target_log_prob(logits, q, k, sink, ids, targets, doc_ids, copyable, copy_id, chunk=chunk)
 
 
 @pytest.mark.parametrize("chunk", [5, 512])
@@ -233,6 +233,23 @@ def test_fast_loss_matches_reference_values_and_gradients(chunk):
     for name, a, b in zip(["logits", "q", "k", "sink"], fast_grads, ref_grads):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_lm_head_terms_match_autograd_and_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(2, 5, 40, generator=g) * 3).requires_grad_()
+    y = torch.randint(0, 32, (2, 5), generator=g)
+    weights = torch.randn(3, 2, 5, generator=g)
+    terms = tg.lm_head_terms(z, y, 32)
+    without_copy = torch.cat([z[..., :32], z[..., 33:]], -1).logsumexp(-1)
+    expected = [without_copy, z[..., 32], z.gather(-1, y[..., None])[..., 0]]
+    for a, b in zip(terms, expected):
+        torch.testing.assert_close(a, b)
+    grad = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, terms)), z)[0]
+    grad_expected = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, expected)), z)[0]
+    torch.testing.assert_close(grad, grad_expected)
+    vanilla_nll = torch.logaddexp(terms[0], terms[1]) - terms[2]
+    torch.testing.assert_close(vanilla_nll, F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="none").view(2, 5))
 
 
 def test_packed_documents_equal_separate_rows():
@@ -312,7 +329,7 @@ def tiny_model(cplm, **over):
 
 @pytest.mark.parametrize("cplm", [0, 1])
 def test_model_loss_token_stats_and_log_probs_agree(cplm):
-    model = tiny_model(cplm)
+    model = tiny_model(cplm, **({"copy_gate_init": 2.0} if cplm else {}))
     ids = torch.tensor(toy_corpus(129, 3)[1:])[None]
     ids = torch.cat([torch.tensor([[BOS]]), ids[:, :127]], 1)  # one document
     targets = torch.cat([ids[:, 1:], torch.tensor([[ids[0, 3]]])], 1)

@@ -91,8 +91,8 @@ PRESETS = {
     "cpu": dict(
         train_files="data/pystdlib/pystdlib_train_*.bin",
         val_files="data/pystdlib/pystdlib_val_*.bin",
-        val_tokens=65536,
-        batch_size=4 * 1024,
+        val_tokens=32768,
+        batch_size=2 * 1024,
         seq_len=1024,
         val_seq_len=4096,
         num_layers=4,
@@ -100,8 +100,8 @@ PRESETS = {
         num_heads=2,
         attn_window=1024,
         attn_window_start=1024,
-        num_iterations=300,
-        val_loss_every=50,
+        num_iterations=200,
+        val_loss_every=25,
         warmup_steps=0,
         lr_muon=0.04,
     ),
@@ -435,7 +435,7 @@ class GPT(nn.Module):
         self.skip_weights = nn.Parameter(torch.ones(L - self.num_encoder_layers))
         self.lm_head = CastedLinear(D, V, zero_init=True)
         self.cp_head = CopyPasteHead(D, c.cp_dim) if c.cplm else None
-        if c.cplm:  # the <copy> logit's bias sets where the gate starts
+        if c.cplm:  # a bias on the <copy> logit (after the soft-cap) sets where the gate starts
             self.copy_logit_bias = nn.Parameter(torch.tensor(float(c.copy_gate_init)))
         # "flex" (FlexAttention kernels, CUDA) or "dense" (masked SDPA and chunked dense CP sums, any device)
         self.attention_backend = "flex" if torch.cuda.is_available() else "dense"
@@ -461,14 +461,9 @@ class GPT(nn.Module):
         return norm(x), doc_ids
 
     def lm_logits(self, h):
-        """Soft-capped LM-head logits over the padded vocabulary, float32; in CPLM mode the <copy> slot
-        carries its bias."""
-        logits = self.lm_head(h).float()
-        if self.cp_head is not None:
-            slot = torch.arange(logits.size(-1), device=logits.device)
-            logits = torch.where(slot == self.config.copy_id, logits + self.copy_logit_bias, logits)
+        """Soft-capped LM-head logits over the padded vocabulary, float32."""
         cap = self.config.logit_softcap
-        return cap * torch.tanh(logits / cap)
+        return cap * torch.tanh(self.lm_head(h).float() / cap)
 
     def forward(self, input_ids, target_ids, window=None, token_stats=False):
         """Mean next-token loss; with token_stats, a dict of per-token tensors (B, T): nll, copyable
@@ -477,13 +472,13 @@ class GPT(nn.Module):
         h, doc_ids = self.hidden_states(input_ids, window)
         logits = self.lm_logits(h)
         copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
-        if self.cp_head is None:
-            nll = F.cross_entropy(logits.flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
-            stats = {"nll": nll}
+        if self.cp_head is None:  # cross-entropy over all slots, through the same LM-head kernel as CPLM
+            lse_without_copy, z_copy, z_y = lm_head_terms(logits, target_ids, self.config.copy_id)
+            stats = {"nll": torch.logaddexp(lse_without_copy, z_copy) - z_y}
         else:
             q, k, sink_key = self.cp_head(h.detach() if self.config.cp_stop_grad else h)
             stats = cplm_target_log_prob(logits, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
-                                         self.config.copy_id, backend=self.attention_backend)
+                                         self.config.copy_id, self.copy_logit_bias, backend=self.attention_backend)
             stats["nll"] = -stats.pop("log_p")
         return {**stats, "copyable": copyable} if token_stats else stats["nll"].mean()
 
@@ -496,6 +491,8 @@ class GPT(nn.Module):
         if self.cp_head is None:
             return logits.log_softmax(-1)
         q, k, sink_key = self.cp_head(h)
+        copy_slot = torch.tensor([self.config.copy_id], device=logits.device)
+        logits = logits.index_add(-1, copy_slot, self.copy_logit_bias.expand(*logits.shape[:-1], 1))
         return cplm_log_probs(logits, q, k, sink_key, input_ids, self.config.copy_id)
 
 
@@ -598,18 +595,50 @@ def _dense_copy_lse_chunk(q, k, key_ids, targets, q_docs, k_docs, copyable, q_lo
     return scores.masked_fill(~doc_causal, neg_inf).logsumexp(-1), scores.masked_fill(~match, neg_inf).logsumexp(-1)
 
 
+class LMHeadTerms(torch.autograd.Function):
+    """From LM logits z (N, Vp): logsumexp over every slot but <copy>, z_copy and z_y, with a hand-written
+    backward. The same numbers as slicing and gathering with autograd, without the (N, Vp) intermediates
+    that those would build in the backward pass. Both modes use it (vanilla: nll = logsumexp(z) - z_y), so
+    a CPLM / vanilla ratio measures the CP head, not two implementations of the LM-head softmax."""
+
+    @staticmethod
+    def forward(ctx, z, target_ids, copy_id):
+        row_max = torch.maximum(z[:, :copy_id].amax(-1), z[:, copy_id + 1:].amax(-1))
+        e = (z - row_max[:, None]).exp_()
+        e[:, copy_id] = 0
+        lse_without_copy = e.sum(-1).log_() + row_max
+        ctx.copy_id = copy_id
+        ctx.save_for_backward(z, target_ids, lse_without_copy)
+        return lse_without_copy, z[:, copy_id], z.gather(1, target_ids[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, grad_lse, grad_copy, grad_target):
+        z, target_ids, lse_without_copy = ctx.saved_tensors
+        grad = (z - lse_without_copy[:, None]).exp_().mul_(grad_lse[:, None])  # softmax without <copy>
+        grad[:, ctx.copy_id] = grad_copy
+        grad.scatter_add_(1, target_ids[:, None], grad_target[:, None])
+        return grad, None, None
+
+
+def lm_head_terms(lm_logits, target_ids, copy_id):
+    """(B, T) each: logsumexp of the logits without <copy>, the <copy> logit, the target's logit."""
+    B, T, Vp = lm_logits.shape
+    terms = LMHeadTerms.apply(lm_logits.float().reshape(B * T, Vp), target_ids.reshape(-1), copy_id)
+    return [x.view(B, T) for x in terms]
+
+
 def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_ids, copyable, copy_id,
-                         backend="dense", chunk=512):
+                         copy_bias=0.0, backend="dense", chunk=512):
     """The training loss's quantities at the targets only: log p(y_t) of the mixture and the gates, each
-    (B, T) float32. Packed rows: copying stays inside each document. Never builds a (T, V) copy
-    distribution; the dense backend never holds more than a (chunk, T) score block."""
-    z = lm_logits.float()
-    lse_without_copy = torch.logaddexp(z[..., :copy_id].logsumexp(-1), z[..., copy_id + 1:].logsumexp(-1))
-    z_copy = z[..., copy_id]
+    (B, T) float32. copy_bias is added to the <copy> logit. Packed rows: copying stays inside each
+    document. Never builds a (T, V) copy distribution; the dense backend never holds more than a
+    (chunk, T) score block."""
+    lse_without_copy, z_copy, z_y = lm_head_terms(lm_logits, target_ids, copy_id)
+    z_copy = z_copy + copy_bias
     log_z = torch.logaddexp(lse_without_copy, z_copy)
     log_c = z_copy - log_z
     log_1mc = lse_without_copy - log_z
-    log_p_full_y = z.gather(-1, target_ids[..., None])[..., 0] - log_z
+    log_p_full_y = z_y - log_z
 
     scale = q.size(-1) ** -0.5
     a_sink = (q @ sink_key.type_as(q)).float() * scale
@@ -797,8 +826,8 @@ def main(argv=None):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores among the local processes
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if (a.batch_size // a.seq_len) % world_size:
         raise UsageError(f"--batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not divisible by "
                          f"{world_size} processes")

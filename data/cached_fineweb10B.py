@@ -138,8 +138,8 @@ def download(num_train, edu=False, local_dir=None, out=print):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Download GPT-2-tokenized FineWeb(-Edu) shards from the Hugging Face hub.")
-    p.add_argument("num_train", nargs="?", type=int, default=8,
-                   help="number of 100M-token train shards to fetch, starting at 1 (default 8; the speedrun needs 8 or 9)")
+    p.add_argument("num_train", nargs="?", type=int, default=10,
+                   help="number of 100M-token train shards to fetch, starting at 1 (default 10: the speedrun preset reads 1770 x 512Ki tokens = 9.3 shards)")
     p.add_argument("--edu", action="store_true", help="fetch FineWeb-Edu (kjj0/finewebedu10B-gpt2) instead of FineWeb")
     p.add_argument("--dir", default=None,
                    help="download into this folder instead of data/fineweb10B (data/finewebedu10B with --edu)")
