@@ -91,7 +91,7 @@ PRESETS = {
     "cpu": dict(
         train_files="data/pystdlib/pystdlib_train_*.bin",
         val_files="data/pystdlib/pystdlib_val_*.bin",
-        val_tokens=32768,
+        val_tokens=16384,
         batch_size=2 * 1024,
         seq_len=1024,
         val_seq_len=4096,
@@ -934,7 +934,8 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
             synchronize()
             training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops during validation
-            result = evaluate(compiled, val_tokens, a, attention_window(step, a), rank, world_size, device)
+            window = torch.tensor(attention_window(step, a), device=device)  # a tensor: no recompile per size
+            result = evaluate(compiled, val_tokens, a, window, rank, world_size, device)
             log(f"step:{step}/{a.num_iterations} val_loss:{result['val_loss']:.4f} "
                 f"train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms")
             log(f"step:{step}/{a.num_iterations} " + " ".join(f"{k}:{v:.4f}" for k, v in result.items()

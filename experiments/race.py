@@ -1,0 +1,112 @@
+"""The real-text race on CPU: vanilla vs CPLM on the Python standard library's source (GPT-2 BPE, V >> D).
+
+    python experiments/race.py [--jobs 2] [--seeds 0,1,2] [--only NAME,...] [--out records/race]
+
+Runs the `cpu` preset of train_gpt_cplm.py (4 x 128, 2048 tokens a step; 100 steps) in these configurations, each
+seed a separate run (one thread each, --jobs at a time), logs in OUT/logs/:
+  full_{vanilla,cplm}    full attention over the 1024-token rows
+  sw_{vanilla,cplm}      a sliding window of 128 tokens
+  full_cplm_stopgrad     ablation: no gradient from the CP head into the backbone
+  bytes_{vanilla,cplm}   control: byte-level tokens (V = 257 < D = 320), where the paper finds no gain
+Then writes OUT/summary.txt (records/compare.py per attention type, convergence ratio against vanilla's
+final val loss) and OUT/{full,sw,bytes}.png. Runs whose log already ends with a final line are not run
+again. `--study gate` runs GATE_CONFIGS instead (records/gate_init): the choice of optimizer and gate start.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SW = ["--attn_window", "128", "--attn_window_start", "128"]
+BYTES = ["--train_files", "data/pystdlib_bytes/pystdlib_bytes_train_*.bin",
+         "--val_files", "data/pystdlib_bytes/pystdlib_bytes_val_*.bin",
+         "--vocab_size", "257", "--bos_id", "256", "--model_dim", "320", "--num_heads", "4"]
+CONFIGS = {
+    "full_vanilla": ["--cplm", "0"],
+    "full_cplm": ["--cplm", "1"],
+    "sw_vanilla": ["--cplm", "0"] + SW,
+    "sw_cplm": ["--cplm", "1"] + SW,
+    "full_cplm_stopgrad": ["--cplm", "1", "--cp_stop_grad", "1"],
+    "bytes_vanilla": ["--cplm", "0"] + BYTES,
+    "bytes_cplm": ["--cplm", "1"] + BYTES,
+}
+SEEDS_OF = {"full_cplm_stopgrad": 1, "bytes_vanilla": 1, "bytes_cplm": 1}  # single-seed controls
+# where the CP head's matrices are optimised and where the gate starts (CPLM, full attention, seed 0)
+GATE_CONFIGS = {
+    "gate_adam_closed": ["--cplm", "1"],  # the default: Adam at lr_cp, <copy> bias 0 (c starts at 1/50304)
+    "gate_muon_closed": ["--cplm", "1", "--cp_optimizer", "muon"],
+    "gate_adam_open": ["--cplm", "1", "--copy_gate_init", "10.8"],  # c starts near 0.5
+}
+# the race's budget: 100 steps of 2048 tokens, validation on 16Ki tokens every 20 steps
+RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens", "16384"]
+
+
+def ensure_corpora():
+    if not os.path.exists(os.path.join(ROOT, "data/pystdlib/pystdlib_val_000000.bin")):
+        subprocess.run([sys.executable, "data/tokenize_corpus.py", "--stdlib", "--out_dir", "data/pystdlib",
+                        "--name", "pystdlib"], cwd=ROOT, check=True)
+    if not os.path.exists(os.path.join(ROOT, "data/pystdlib_bytes/pystdlib_bytes_val_000000.bin")):
+        subprocess.run([sys.executable, "data/tokenize_corpus.py", "--stdlib", "--encoding", "bytes",
+                        "--out_dir", "data/pystdlib_bytes", "--name", "pystdlib_bytes"], cwd=ROOT, check=True)
+
+
+def finished(log_path):
+    return os.path.exists(log_path) and "\nfinal val_loss:" in open(log_path).read()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--only", default="", help="comma list of configuration names")
+    p.add_argument("--study", choices=["race", "gate"], default="race")
+    p.add_argument("--out", default=None, help="default records/race or records/gate_init")
+    p.add_argument("extra", nargs="*", help="more train_gpt_cplm flags for every run, after --")
+    args = p.parse_args()
+    ensure_corpora()
+    configs = CONFIGS if args.study == "race" else GATE_CONFIGS
+    args.out = args.out or ("records/race" if args.study == "race" else "records/gate_init")
+    log_dir = os.path.join(args.out, "logs")
+    names = args.only.split(",") if args.only else list(configs)
+    if args.study == "gate":
+        args.seeds = "0"
+    queue = []
+    for name in names:
+        for seed in args.seeds.split(",")[:SEEDS_OF.get(name, 99)]:
+            run_id = f"{name}_s{seed}"
+            if not finished(os.path.join(ROOT, log_dir, run_id + ".txt")):
+                queue.append([sys.executable, "train_gpt_cplm.py", "--preset", "cpu", *configs[name], "--seed", seed,
+                              "--run_id", run_id, "--log_dir", log_dir, *RACE_FLAGS, *args.extra])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    running = []
+    t0 = time.time()
+    while queue or running:
+        while queue and len(running) < args.jobs:
+            cmd = queue.pop(0)
+            print(f"[{time.time() - t0:6.0f}s] start {cmd[cmd.index('--run_id') + 1]}", flush=True)
+            running.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL))
+        time.sleep(2)
+        for proc in [r for r in running if r.poll() is not None]:
+            running.remove(proc)
+            if proc.returncode:
+                print(f"run failed ({proc.returncode}): {' '.join(proc.args)}", flush=True)
+    summarize(args.out, args.study)
+
+
+def summarize(out, study):
+    compare = [sys.executable, "records/compare.py"]
+    lines = []
+    groups = [("full", "cplm=0"), ("sw", "cplm=0"), ("bytes", "cplm=0")] if study == "race" else [("gate", None)]
+    for prefix, reference in groups:
+        cmd = compare + [f"{out}/logs/{prefix}_*.txt", "--plot", f"{out}/{prefix}.png"]
+        cmd += ["--target_from", reference] if reference else []
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        lines += [f"$ {' '.join(cmd[1:])}", res.stdout + res.stderr]
+    open(os.path.join(ROOT, out, "summary.txt"), "w").write("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
