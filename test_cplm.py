@@ -250,6 +250,17 @@ def test_lm_head_terms_match_autograd_and_cross_entropy():
     torch.testing.assert_close(grad, grad_expected)
     vanilla_nll = torch.logaddexp(terms[0], terms[1]) - terms[2]
     torch.testing.assert_close(vanilla_nll, F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="none").view(2, 5))
+    # with the soft-cap applied inside: the same as autograd through cap * tanh(u / cap)
+    u = (z.detach() * 4).requires_grad_()
+    capped = 5 * torch.tanh(u / 5)
+    terms = tg.lm_head_terms(u, y, 32, softcap=5.0)
+    expected = [torch.cat([capped[..., :32], capped[..., 33:]], -1).logsumexp(-1), capped[..., 32],
+                capped.gather(-1, y[..., None])[..., 0]]
+    for a, b in zip(terms, expected):
+        torch.testing.assert_close(a, b)
+    grad = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, terms)), u)[0]
+    grad_expected = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, expected)), u)[0]
+    torch.testing.assert_close(grad, grad_expected)
 
 
 def test_packed_documents_equal_separate_rows():
@@ -298,6 +309,11 @@ def test_flex_path_forward_on_cpu_matches_dense():
     flex = tg.copy_lses(q, k, ids, targets, doc_ids, copyable, "flex")
     for a, b in zip(dense, flex):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # and the whole loss through each backend
+    logits, sink = torch.randn(2, 256, 128) * 2, torch.randn(16)
+    args = (logits, q, k, sink, ids, targets, doc_ids, copyable, 120)
+    for key, value in tg.cplm_target_log_prob(*args, backend="flex").items():
+        torch.testing.assert_close(value, tg.cplm_target_log_prob(*args, backend="dense")[key], atol=1e-5, rtol=1e-5)
 
 
 def test_target_in_context_matches_brute_force():

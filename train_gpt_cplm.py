@@ -213,13 +213,13 @@ class TrainLoader:
             raise DataError(f"{self.files[self.file_index]}: {len(self.tokens)} tokens, a batch needs {need}")
         if self.position + need > len(self.tokens):  # next shard; after the last one, start over
             self.set_state({"file_index": (self.file_index + 1) % len(self.files), "position": 0})
-        buf = torch.from_numpy(self.tokens[self.position:self.position + need].astype(np.int64))
-        self.position += self.batch_size
-        rows = self.batch_size // self.seq_len
         micro = []
-        for i in range(self.rank, rows, self.world_size):
-            row = buf[i * self.seq_len:(i + 1) * self.seq_len + 1].to(device, non_blocking=True)
+        for i in range(self.rank, self.batch_size // self.seq_len, self.world_size):  # this rank's rows only
+            start = self.position + i * self.seq_len
+            row = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+            row = row.to(device, non_blocking=True)
             micro.append((row[None, :-1], row[None, 1:]))
+        self.position += self.batch_size
         return micro
 
 
@@ -470,15 +470,15 @@ class GPT(nn.Module):
         (the target occurs earlier in its document) and, in CPLM mode, the gates lam, c, s."""
         window = input_ids.size(-1) if window is None else window
         h, doc_ids = self.hidden_states(input_ids, window)
-        logits = self.lm_logits(h)
+        head_out, cap, copy_id = self.lm_head(h), self.config.logit_softcap, self.config.copy_id
         copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
         if self.cp_head is None:  # cross-entropy over all slots, through the same LM-head kernel as CPLM
-            lse_without_copy, z_copy, z_y = lm_head_terms(logits, target_ids, self.config.copy_id)
+            lse_without_copy, z_copy, z_y = lm_head_terms(head_out, target_ids, copy_id, cap)
             stats = {"nll": torch.logaddexp(lse_without_copy, z_copy) - z_y}
         else:
             q, k, sink_key = self.cp_head(h.detach() if self.config.cp_stop_grad else h)
-            stats = cplm_target_log_prob(logits, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
-                                         self.config.copy_id, self.copy_logit_bias, backend=self.attention_backend)
+            stats = cplm_target_log_prob(head_out, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
+                                         copy_id, self.copy_logit_bias, cap, backend=self.attention_backend)
             stats["nll"] = -stats.pop("log_p")
         return {**stats, "copyable": copyable} if token_stats else stats["nll"].mean()
 
@@ -596,20 +596,26 @@ def _dense_copy_lse_chunk(q, k, key_ids, targets, q_docs, k_docs, copyable, q_lo
 
 
 class LMHeadTerms(torch.autograd.Function):
-    """From LM logits z (N, Vp): logsumexp over every slot but <copy>, z_copy and z_y, with a hand-written
-    backward. The same numbers as slicing and gathering with autograd, without the (N, Vp) intermediates
-    that those would build in the backward pass. Both modes use it (vanilla: nll = logsumexp(z) - z_y), so
-    a CPLM / vanilla ratio measures the CP head, not two implementations of the LM-head softmax."""
+    """From the LM head's output u (N, Vp): the soft-capped logits z = cap tanh(u / cap) (cap 0: z = u), then
+    the logsumexp over every slot but <copy>, z_copy and z_y. The same numbers as autograd through tanh,
+    slices and gathers, but the hand-written backward builds one (N, Vp) tensor where autograd builds
+    five: the (N, Vp) passes dominate a CPU step. Both modes use it (vanilla: nll = logsumexp(z) - z_y),
+    so a CPLM / vanilla ratio measures the CP head, not two implementations of the LM-head softmax."""
 
     @staticmethod
-    def forward(ctx, z, target_ids, copy_id):
-        row_max = torch.maximum(z[:, :copy_id].amax(-1), z[:, copy_id + 1:].amax(-1))
+    def forward(ctx, u, target_ids, copy_id, softcap):
+        if softcap > 0:
+            z = u.float().div(softcap).tanh_().mul_(softcap)
+            row_max = torch.full_like(z[:, 0], softcap)  # |z| <= cap: exp(z - cap) cannot overflow
+        else:
+            z = u.float()
+            row_max = torch.maximum(z[:, :copy_id].amax(-1), z[:, copy_id + 1:].amax(-1))
         e = (z - row_max[:, None]).exp_()
         e[:, copy_id] = 0
         lse_without_copy = e.sum(-1).log_() + row_max
-        ctx.copy_id = copy_id
+        ctx.copy_id, ctx.softcap, ctx.dtype = copy_id, softcap, u.dtype
         ctx.save_for_backward(z, target_ids, lse_without_copy)
-        return lse_without_copy, z[:, copy_id], z.gather(1, target_ids[:, None])[:, 0]
+        return lse_without_copy, z[:, copy_id].clone(), z.gather(1, target_ids[:, None])[:, 0]
 
     @staticmethod
     def backward(ctx, grad_lse, grad_copy, grad_target):
@@ -617,23 +623,25 @@ class LMHeadTerms(torch.autograd.Function):
         grad = (z - lse_without_copy[:, None]).exp_().mul_(grad_lse[:, None])  # softmax without <copy>
         grad[:, ctx.copy_id] = grad_copy
         grad.scatter_add_(1, target_ids[:, None], grad_target[:, None])
-        return grad, None, None
+        if ctx.softcap > 0:  # d z / d u = 1 - tanh^2 = 1 - (z / cap)^2
+            grad.mul_(z.div(ctx.softcap).square_().neg_().add_(1))
+        return grad.to(ctx.dtype), None, None, None
 
 
-def lm_head_terms(lm_logits, target_ids, copy_id):
-    """(B, T) each: logsumexp of the logits without <copy>, the <copy> logit, the target's logit."""
-    B, T, Vp = lm_logits.shape
-    terms = LMHeadTerms.apply(lm_logits.float().reshape(B * T, Vp), target_ids.reshape(-1), copy_id)
+def lm_head_terms(head_out, target_ids, copy_id, softcap=0.0):
+    """(B, T) each: logsumexp of the (soft-capped) logits without <copy>, the <copy> logit, the target's."""
+    B, T, Vp = head_out.shape
+    terms = LMHeadTerms.apply(head_out.reshape(B * T, Vp), target_ids.reshape(-1), copy_id, softcap)
     return [x.view(B, T) for x in terms]
 
 
 def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_ids, copyable, copy_id,
-                         copy_bias=0.0, backend="dense", chunk=512):
+                         copy_bias=0.0, softcap=0.0, backend="dense", chunk=512):
     """The training loss's quantities at the targets only: log p(y_t) of the mixture and the gates, each
-    (B, T) float32. copy_bias is added to the <copy> logit. Packed rows: copying stays inside each
-    document. Never builds a (T, V) copy distribution; the dense backend never holds more than a
-    (chunk, T) score block."""
-    lse_without_copy, z_copy, z_y = lm_head_terms(lm_logits, target_ids, copy_id)
+    (B, T) float32. softcap > 0: lm_logits is the head's raw output and gets the soft-cap here; copy_bias
+    is then added to the <copy> logit. Packed rows: copying stays inside each document. Never builds a
+    (T, V) copy distribution; the dense backend never holds more than a (chunk, T) score block."""
+    lse_without_copy, z_copy, z_y = lm_head_terms(lm_logits, target_ids, copy_id, softcap)
     z_copy = z_copy + copy_bias
     log_z = torch.logaddexp(lse_without_copy, z_copy)
     log_c = z_copy - log_z
