@@ -345,7 +345,7 @@ def tiny_model(cplm, **over):
 
 @pytest.mark.parametrize("cplm", [0, 1])
 def test_model_loss_token_stats_and_log_probs_agree(cplm):
-    model = tiny_model(cplm, **({"copy_gate_init": 2.0} if cplm else {}))
+    model = tiny_model(cplm, **({"copy_gate_init": 0.3} if cplm else {}))
     ids = torch.tensor(toy_corpus(129, 3)[1:])[None]
     ids = torch.cat([torch.tensor([[BOS]]), ids[:, :127]], 1)  # one document
     targets = torch.cat([ids[:, 1:], torch.tensor([[ids[0, 3]]])], 1)
@@ -379,7 +379,8 @@ def test_cplm_adds_only_the_cp_head_and_stop_grad_cuts_its_gradient():
     h, doc_ids = model.hidden_states(ids, ids.size(1))
     q, k, sink = model.cp_head(h.detach())
     copyable = tg.target_in_context(ids, targets, doc_ids, model.config.padded_vocab)
-    stats = tg.cplm_target_log_prob(model.lm_logits(h), q, k, sink, ids, targets, doc_ids, copyable, VOCAB)
+    stats = tg.cplm_target_log_prob(model.lm_logits(h), q, k, sink, ids, targets, doc_ids, copyable, VOCAB,
+                                    copy_bias=model.copy_logit_bias)
     (-stats["log_p"].mean()).backward()
     torch.testing.assert_close(model.blocks[0].mlp.c_fc.weight.grad, grads[1])
 
@@ -433,6 +434,7 @@ def test_cli_run_writes_a_complete_log(toy_data, tmp_path):
     (["--cplm", "2"], "--cplm must be 0 or 1"),
     (["--seq_len", "1000"], "multiple of 128"),
     (["--preset", "tpu"], "--preset must be one of"),
+    (["--copy_gate_init", "1"], "must lie in (0, 1)"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message):
     r = run_cli(args)

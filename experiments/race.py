@@ -34,10 +34,11 @@ CONFIGS = {
 }
 SEEDS_OF = {"full_cplm_stopgrad": 1, "bytes_vanilla": 1, "bytes_cplm": 1}  # single-seed controls
 # where the CP head's matrices are optimised and where the gate starts (CPLM, full attention, seed 0)
+# (recorded when copy_gate_init was the <copy> logit's bias: 0 gave c = 1/50304 at step 0, 10.8 gave c = 0.494)
 GATE_CONFIGS = {
-    "gate_adam_closed": ["--cplm", "1"],  # the default: Adam at lr_cp, <copy> bias 0 (c starts at 1/50304)
-    "gate_muon_closed": ["--cplm", "1", "--cp_optimizer", "muon"],
-    "gate_adam_open": ["--cplm", "1", "--copy_gate_init", "10.8"],  # c starts near 0.5
+    "gate_adam_closed": ["--cplm", "1", "--copy_gate_init", str(1 / 50304)],
+    "gate_muon_closed": ["--cplm", "1", "--copy_gate_init", str(1 / 50304), "--cp_optimizer", "muon"],
+    "gate_adam_open": ["--cplm", "1", "--copy_gate_init", "0.494"],
 }
 # the race's budget: 100 steps of 2048 tokens, validation on 16Ki tokens every 20 steps
 RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens", "16384"]

@@ -13,7 +13,7 @@ match the log format are used:
     stopped: <reason>                          (optional)
     peak memory allocated: M MiB ...
 
-Runs are grouped into configurations (hyperparameters minus seed/run_id, or
+Runs are grouped into configurations (hyperparameters minus seed, run_id, log_dir and resume, or
 only the keys given to --group_by).  For every run and group the tool reports
 the final validation loss, when a target loss was reached, and a one-sided
 one-sample Student t-test of "mean final val loss < target" (the speedrun's
@@ -38,7 +38,7 @@ import re
 import sys
 
 DEFAULT_TARGET = 3.28
-ALWAYS_IGNORED = ("seed", "run_id")
+ALWAYS_IGNORED = ("seed", "run_id", "log_dir", "resume")  # where a run was written is not what it was
 
 _FLOAT = r"[-+]?(?:nan|inf|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
 RE_HPARAMS = re.compile(r"^hyperparameters: (\{.*\})$")
