@@ -1063,3 +1063,38 @@ def test_plot_without_matplotlib_is_clean_error(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "matplotlib" in err and err.strip().count("\n") == 0
     assert not (tmp_path / "x.png").exists()
+
+
+# ====================================================================================================
+# experiments/race.py and experiments/cp_cost.py
+
+
+def _load_experiment(name):
+    spec = importlib.util.spec_from_file_location(f"experiments_{name}", Path(ROOT) / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_race_configurations_are_valid_command_lines():
+    race = _load_experiment("race")
+    for name, flags in {**race.CONFIGS, **race.GATE_CONFIGS}.items():
+        args = tg.parse_args(["--preset", "cpu", *flags, *race.RACE_FLAGS])
+        assert args.num_iterations == 100 and args.cplm == (0 if "vanilla" in name else 1), name
+    assert tg.parse_args(["--preset", "cpu", *race.CONFIGS["sw_cplm"]]).attn_window == 128
+    byte_level = tg.parse_args(["--preset", "cpu", *race.CONFIGS["bytes_cplm"]])
+    assert byte_level.vocab_size < byte_level.model_dim  # the control's point: no softmax bottleneck
+
+
+def test_cp_cost_naive_baseline_computes_the_same_lses():
+    cp_cost = _load_experiment("cp_cost")
+    ids = random_documents(1, 300, 7, 5)
+    targets = torch.roll(ids, -1, 1)
+    doc_ids = tg.doc_ids_of(ids, 7)
+    copyable = tg.target_in_context(ids, targets, doc_ids, 16)
+    q, k = torch.randn(2, 1, 300, 8).unbind(0)
+    naive = cp_cost.naive_copy_lses(q, k, ids, targets, doc_ids)
+    chunked = tg.copy_lses(q, k, ids, targets, doc_ids, copyable, "dense", chunk=64)
+    torch.testing.assert_close(naive[0], chunked[0])
+    torch.testing.assert_close(naive[1][copyable], chunked[1][copyable])
+    assert torch.isneginf(naive[1][~copyable]).all()
