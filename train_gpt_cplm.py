@@ -852,6 +852,9 @@ def main(argv=None):
     log = Logger(a, master)
     try:
         return train(a, log, rank, world_size, device)
+    except BaseException as e:  # the log ends with why it stopped
+        log(f"stopped: {type(e).__name__}: {e}", console=False)
+        raise
     finally:
         if distributed:
             dist.destroy_process_group()

@@ -145,19 +145,25 @@ def evaluate(model, inputs, targets, copy_mask, seen=None, rows_per_chunk=None):
 
 
 def run_one(task, vocab_size, cplm, steps, batch, seq_len, seed, eval_seqs=32, eval_every=0, log_path=None,
-            optim=None, momentum_warmup_frac=0.2, print_lines=False):
+            optim=None, momentum_warmup_frac=0.2, copy_gate_init=None, print_lines=False):
     """Trains one model on one task and vocabulary; returns a dict with the final copy accuracy, the mean
     gate (CPLM), the final train loss and the wall time. Evaluates at step 0, at the end and, with
-    eval_every > 0, every eval_every steps."""
+    eval_every > 0, every eval_every steps. copy_gate_init: the CPLM gate c at step 0 (None: the training
+    script's default; 0: closed, c = 1 / padded vocabulary, i.e. a zero bias on the <copy> logit)."""
     t_start = time.perf_counter()
     o = {**OPTIM, **(optim or {})}
     a = tg.Hyperparameters(vocab_size=vocab_size, bos_id=vocab_size - 1, seq_len=seq_len, cplm=cplm,
                            num_iterations=steps, seed=seed,
                            muon_momentum_warmup_steps=max(1, round(momentum_warmup_frac * steps)), **MODEL, **o)
+    model_config = tg.GPTConfig(vocab_size=vocab_size, bos_id=vocab_size - 1, max_seq_len=seq_len, cplm=cplm,
+                                cp_dim=a.cp_dim, **MODEL)
+    if copy_gate_init is not None:
+        model_config.copy_gate_init = copy_gate_init or 1 / model_config.padded_vocab
     config = dict(task=task, vocab_size=vocab_size, mode="cplm" if cplm else "vanilla", steps=steps, batch=batch,
                   seq_len=seq_len, seed=seed, eval_seqs=eval_seqs, **MODEL, **o,
                   muon_momentum=a.muon_momentum, muon_momentum_warmup_steps=a.muon_momentum_warmup_steps,
-                  torch=torch.__version__, threads=torch.get_num_threads())
+                  copy_gate_init=model_config.copy_gate_init if cplm else None, cp_dim=a.cp_dim,
+                  logit_softcap=model_config.logit_softcap, torch=torch.__version__, threads=torch.get_num_threads())
     log_file = open(log_path, "w") if log_path else None
 
     def log(line):
@@ -169,8 +175,7 @@ def run_one(task, vocab_size, cplm, steps, batch, seq_len, seed, eval_seqs=32, e
 
     log("config: " + json.dumps(config))
     torch.manual_seed(seed)
-    model = tg.GPT(tg.GPTConfig(vocab_size=vocab_size, bos_id=vocab_size - 1, max_seq_len=seq_len,
-                                cplm=cplm, cp_dim=a.cp_dim, **MODEL))
+    model = tg.GPT(model_config)
     optimizers = tg.build_optimizers(model, a, 0, 1)
     train_gen = torch.Generator().manual_seed(1000 + seed)
     held_out = make_batch(task, vocab_size, eval_seqs, seq_len, torch.Generator().manual_seed(2_000_000 + seed))
@@ -227,7 +232,7 @@ def run_one(task, vocab_size, cplm, steps, batch, seq_len, seed, eval_seqs=32, e
 def write_results(results, out_dir, command, settings):
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(dict(command=command, settings=settings, results=results), f, indent=1)
-    lines = [f"# SpamLang results", "", "Produced by:", "", f"    {command}", "",
+    lines = ["# SpamLang results", "", "Produced by:", "", f"    {command}", "",
              "Model: " + ", ".join(f"{k}={v}" for k, v in MODEL.items())
              + f"; steps={settings['steps']}, batch={settings['batch']} sequences of seq_len={settings['seq_len']}"
              f", {settings['eval_seqs']} held-out sequences per run.",
@@ -236,6 +241,7 @@ def write_results(results, out_dir, command, settings):
              + (" (the training script's defaults)" if settings["optim"] == OPTIM else " (changed from the "
                 "training script's defaults, equally for both modes)")
              + f"; Muon momentum 0.85 -> 0.95 over the first {settings['momentum_warmup_frac']:.0%} of steps."
+             f" CPLM gate at step 0: c = {settings['copy_gate_init']}."
              " Both modes: the same data, steps, batch and optimizer settings.",
              "copy acc: next-token argmax accuracy on the copy positions of the held-out sequences, from the full"
              " mixture (CPLM) or the LM softmax (vanilla). lambda: the mean copy gate on those positions.", "",
@@ -250,7 +256,7 @@ def write_results(results, out_dir, command, settings):
     for r in results:
         lam = f"{r['lam']:.3f}" if "lam" in r else "-"
         lines.append(f"| {r['task']} | {r['vocab_size']} | {r['mode']} | {r['seed']} | {100 * r['copy_acc']:.1f}% "
-                     f"| {100 * r['copy_acc_step0']:.1f}% | {r['copy_nll']:.3f} | {lam} | {100 * r['seen']:.1f}% "
+                     f"| {100 * r['copy_acc_step0']:.1f}% | {max(r['copy_nll'], 0.0):.3f} | {lam} | {100 * r['seen']:.1f}% "
                      f"| {100 * r['copy_acc_seen']:.1f}% | {r['train_loss']:.4f} | {r['wall_s']:.0f}s |")
     lines += ["", f"Total wall time: {sum(r['wall_s'] for r in results):.0f}s", ""]
     with open(os.path.join(out_dir, "results.md"), "w") as f:
@@ -274,7 +280,8 @@ def plot_results(results, path):
                 continue
             acc = [100 * sum(r["copy_acc"] for r in rows if r["vocab_size"] == v)
                    / sum(1 for r in rows if r["vocab_size"] == v) for v in vocabs]
-            ax.plot(vocabs, acc, marker="o", linestyle="-" if mode == "cplm" else "--",
+            ax.plot(vocabs, acc, marker="o" if mode == "cplm" else "s", linestyle="-" if mode == "cplm" else "--",
+                    markersize=7 if mode == "cplm" else 5,
                     color="C0" if task == "repeat" else "C1", label=f"{task}, {mode}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("vocabulary size V")
@@ -324,6 +331,8 @@ def parse_args(argv):
     for k, v in OPTIM.items():
         p.add_argument(f"--{k}", type=float, default=v)
     p.add_argument("--momentum_warmup_frac", type=float, default=0.2)
+    p.add_argument("--copy_gate_init", type=float, default=None,
+                   help="CPLM gate at step 0 (default: the training script's; 0: closed, c = 1/padded vocab)")
     p.add_argument("--out", default="records/spamlang")
     args = p.parse_args(argv)
     tasks = list(TASKS) if args.task == "both" else [args.task]
@@ -336,6 +345,8 @@ def parse_args(argv):
         p.error("--modes: vanilla and/or cplm")
     if args.steps < 1 or args.batch < 1 or args.seq_len < 2 or args.eval_seqs < 1 or not seeds:
         p.error("--steps, --batch, --eval_seqs must be >= 1, --seq_len >= 2, --seeds non-empty")
+    if args.copy_gate_init is not None and not 0 <= args.copy_gate_init < 1:
+        p.error("--copy_gate_init must lie in [0, 1)")
     if "span" in tasks and (args.seq_len < 2 * MIN_SPAN or min(vocabs) - 1 < args.seq_len):
         p.error(f"span needs --seq_len >= {2 * MIN_SPAN} and every vocabulary larger than --seq_len")
     return args, tasks, vocabs, modes, seeds
@@ -352,6 +363,8 @@ def main(argv=None):
     settings = dict(tasks=tasks, vocabs=vocabs, modes=modes, seeds=seeds, steps=args.steps, batch=args.batch,
                     seq_len=args.seq_len, eval_seqs=args.eval_seqs, eval_every=eval_every, optim=optim,
                     momentum_warmup_frac=args.momentum_warmup_frac, model=MODEL,
+                    copy_gate_init=(tg.GPTConfig.copy_gate_init if args.copy_gate_init is None
+                                    else args.copy_gate_init or "closed (1/padded vocab)"),
                     threads=torch.get_num_threads())
     print(f"spamlang: {command}", flush=True)
     results, t0 = [], time.perf_counter()
@@ -363,7 +376,7 @@ def main(argv=None):
                     r = run_one(task, vocab, int(mode == "cplm"), args.steps, args.batch, args.seq_len, seed,
                                 eval_seqs=args.eval_seqs, eval_every=eval_every,
                                 log_path=os.path.join(args.out, name + ".txt"), optim=optim,
-                                momentum_warmup_frac=args.momentum_warmup_frac)
+                                momentum_warmup_frac=args.momentum_warmup_frac, copy_gate_init=args.copy_gate_init)
                     results.append(r)
                     lam = f" lambda {r['lam']:.3f}" if "lam" in r else ""
                     print(f"{name}: copy_acc {100 * r['copy_acc']:.1f}%{lam} train_loss {r['train_loss']:.4f} "
