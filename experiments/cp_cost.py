@@ -2,6 +2,7 @@
 
     python experiments/cp_cost.py step_time [--steps 20]   # cpu preset: CPLM / vanilla step time, median
     python experiments/cp_cost.py memory [--lengths 4096,16384]   # peak memory of the CP loss vs a naive one
+    python experiments/cp_cost.py parameters   # the CP head's parameter count and share, per preset
 
 step_time builds both models from the same seed and alternates their training steps (forward, backward,
 optimizer) on the same real batches, so both see the same machine load; the ratio is of medians.
@@ -51,6 +52,18 @@ def step_time(args):
     print(json.dumps(result))
     print(f"cpu preset step time: vanilla {result['vanilla_median_ms']:.0f} ms, cplm {result['cplm_median_ms']:.0f} ms "
           f"(medians of {args.steps}); cplm/vanilla = {result['ratio']:.3f}")
+
+
+def parameters(args):
+    for preset in ("speedrun", "cpu"):
+        hp = tg.parse_args(["--preset", preset, "--cplm", "1"])
+        with torch.device("meta"):  # counts only: no memory
+            model = tg.GPT(tg.GPTConfig.from_args(hp))
+        total = sum(p.numel() for p in model.parameters())
+        cp = sum(p.numel() for p in model.cp_head.parameters()) + model.copy_logit_bias.numel()
+        tables = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        print(f"{preset}: {total:,} parameters, {total - tables:,} outside the embedding tables; CP head + <copy> "
+              f"bias {cp:,} = {100 * cp / total:.3f}% of all, {100 * cp / (total - tables):.3f}% of the rest")
 
 
 def naive_copy_lses(q, k, input_ids, target_ids, doc_ids):
@@ -114,5 +127,6 @@ if __name__ == "__main__":
     p.add_argument("extra", nargs="*", help="train_gpt_cplm flags after --, e.g. -- --attn_window 256")
     p = sub.add_parser("memory")
     p.add_argument("--lengths", default="4096,16384")
+    sub.add_parser("parameters")
     args = parser.parse_args()
-    step_time(args) if args.what == "step_time" else memory(args)
+    {"step_time": step_time, "memory": memory, "parameters": parameters}[args.what](args)
