@@ -1212,3 +1212,21 @@ def test_spamlang_gate_init_is_recorded(tmp_path):
     assert json.loads(lines[0][8:])["copy_gate_init"] == pytest.approx(1 / 640)
     c0 = float(lines[1].split(" c:")[1].split()[0])
     assert c0 == pytest.approx(1 / 640, abs=1e-4)
+
+
+def test_gpu_report_summarises_two_logs(tmp_path):
+    """records/gpu/gpu_report.py (run on the GPU machine) on two synthetic speedrun logs."""
+    base = dict(model_dim=768, num_layers=12, vocab_size=50257, cp_dim=64, batch_size=524288, num_iterations=40)
+    for mode, ms in ((0, 100), (1, 103)):
+        trains = [(s, 5.0, s * ms) for s in range(1, 41)]
+        log = write_log(tmp_path / f"gpu_cplm{mode}.txt", f"m{mode}", dict(base, cplm=mode),
+                        [(0, 10.8, 0), (40, 4.0 + mode * 0.1, 40 * ms)])
+        log.write_text(log.read_text().replace("step_avg:nanms\n", "step_avg:nanms\n" + "".join(
+            f"step:{s}/40 train_loss:5.0 train_time:{t}ms step_avg:1.0ms\n" for s, _, t in trains)))
+    (tmp_path / "stdout_cplm1.txt").write_text("Recompiling function forward\n")
+    r = subprocess.run([sys.executable, str(Path(ROOT) / "records" / "gpu" / "gpu_report.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "cplm/vanilla step time ratio: 1.030"
+    assert re.search(r"cplm\s+40\s+103\.0ms\s+5,090,175\s+", r.stdout)
+    assert re.search(r"^\s+cplm .* 1$", r.stdout, re.M)  # one recompilation counted

@@ -17,7 +17,7 @@ for mode in 0 1; do
     TORCH_LOGS=recompiles timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=1 \
         train_gpt_cplm.py --preset speedrun --cplm $mode --num_iterations "$STEPS" --val_loss_every 50 \
         --train_files ".gpu_data/gpucorpus_train_*.bin" --val_files ".gpu_data/gpucorpus_val_*.bin" \
-        --val_tokens 1048576 --run_id "gpu_cplm$mode" --log_dir "$OUT" > "$OUT/stdout_cplm$mode.txt" 2>&1
+        --val_tokens 524288 --run_id "gpu_cplm$mode" --log_dir "$OUT" > "$OUT/stdout_cplm$mode.txt" 2>&1
     echo "cplm=$mode exit $?"; tail -n 4 "$OUT/stdout_cplm$mode.txt"
 done
 python3 records/gpu/gpu_report.py "$OUT" 2>&1 | tee "$OUT/report.txt"
