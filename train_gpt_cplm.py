@@ -10,6 +10,7 @@ distributed loop -> logging. The method is specified in cplm-method (see README.
 and `Hyperparameters.cplm` (the switch).
 """
 import argparse
+import ctypes
 import dataclasses
 import glob
 import json
@@ -827,6 +828,19 @@ def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a):
     os.replace(path + ".tmp", path)
 
 
+def use_heap_for_large_tensors():
+    """On CPU: glibc hands every large freed block (a (T, V) logit tensor) back to the kernel and page-faults
+    it in again at the next allocation, which costs more than the arithmetic on those tensors. Keep freed
+    memory in the heap instead (glibc only; elsewhere nothing changes)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv=None):
     a = parse_args(argv)
     a.run_id = a.run_id or str(uuid.uuid4())
@@ -840,6 +854,7 @@ def main(argv=None):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        use_heap_for_large_tensors()
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores among the local processes
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if (a.batch_size // a.seq_len) % world_size:

@@ -26,6 +26,7 @@ import train_gpt_cplm as tg  # noqa: E402
 
 
 def step_time(args):
+    tg.use_heap_for_large_tensors()  # as train_gpt_cplm.main does on CPU
     hp = tg.parse_args(["--preset", "cpu"] + args.extra)
     loader = tg.TrainLoader(hp.train_files, hp.batch_size, hp.seq_len, 0, 1, hp.vocab_size)
     models, optimizers = {}, {}

@@ -296,19 +296,6 @@ def plot_results(results, path):
     return True
 
 
-def use_heap_for_large_tensors():
-    """glibc returns every large block (a 130 MB logit tensor at V=512k) to the kernel on free and page-faults
-    it in again on the next allocation: a third of a CPU step at 512k. Keep freed memory in the heap."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-        libc.mallopt(M_MMAP_MAX, 0)
-        libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1)
-    except (OSError, AttributeError):
-        pass
-
-
 def command_line(argv):
     prefix = "OMP_NUM_THREADS=" + os.environ["OMP_NUM_THREADS"] + " " if "OMP_NUM_THREADS" in os.environ else ""
     nice = os.nice(0) if hasattr(os, "nice") else 0
@@ -355,7 +342,7 @@ def parse_args(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args, tasks, vocabs, modes, seeds = parse_args(argv)
-    use_heap_for_large_tensors()
+    tg.use_heap_for_large_tensors()
     os.makedirs(args.out, exist_ok=True)
     command = command_line(argv)
     optim = {k: getattr(args, k) for k in OPTIM}
