@@ -5,7 +5,7 @@
     python train_gpt_cplm.py --preset cpu                                  # small model on a CPU
 
 Sections, in the order data flows: config -> data -> model (backbone, CP head) -> loss -> optimizer ->
-distributed loop -> logging. The method is specified in cplm-method (see README.md): look for
+distributed loop -> logging. The method, in short, is in README.md; here, look for
 `CopyPasteHead`, `cplm_target_log_prob` (the training loss), `cplm_log_probs` (the dense reference)
 and `Hyperparameters.cplm` (the switch).
 """
@@ -394,6 +394,10 @@ class CopyPasteHead(nn.Module):
 
     def forward(self, h):
         return self.w_q(h), self.w_k(h), self.sink_key
+
+
+# -----------------------------------------------------------------------------------------------------
+# Model: the GPT, with the CP head when cplm = 1
 
 
 @dataclass
