@@ -482,7 +482,9 @@ class GPT(nn.Module):
         window = input_ids.size(-1) if window is None else window
         h, doc_ids = self.hidden_states(input_ids, window)
         head_out, cap, copy_id = self.lm_head(h), self.config.logit_softcap, self.config.copy_id
-        copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
+        copyable = None  # vanilla training never needs it: no sort on that hot path
+        if self.cp_head is not None or token_stats:
+            copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
         if self.cp_head is None:  # cross-entropy over all slots, through the same LM-head kernel as CPLM
             lse_without_copy, z_copy, z_y = lm_head_terms(head_out, target_ids, copy_id, cap)
             stats = {"nll": torch.logaddexp(lse_without_copy, z_copy) - z_y}

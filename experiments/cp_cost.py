@@ -91,10 +91,10 @@ def measure_one(impl, T):
     t0 = time.perf_counter()
     if impl == "chunked":
         lse_doc, lse_match = tg.copy_lses(q, k, ids, targets, doc_ids, copyable, "dense")
-        lse_match = torch.where(copyable, lse_match, 0.0)
     else:
         lse_doc, lse_match = naive_copy_lses(q, k, ids, targets, doc_ids)
-        lse_match = torch.where(copyable, lse_match, 0.0)  # (its gradient is NaN on rows without a match)
+    # rows with nothing to copy drop out, as in the loss (the naive path's gradient there would be NaN)
+    lse_match = torch.where(copyable, lse_match, 0.0)
     (lse_doc.sum() + lse_match.sum()).backward()
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
