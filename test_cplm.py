@@ -132,41 +132,67 @@ def random_documents(B, T, bos, seed, vocab=8):
     return ids
 
 
-@pytest.mark.parametrize("window", [64, 128, 200, 384, 512])
-def test_dense_attention_matches_flex_forward(window):
+def test_dense_attention_matches_flex_forward():
+    """Whole documents. (FlexAttention's CPU forward evaluates mask_mod on every pair and ignores which
+    tiles the BlockMask lists, so the windows, which live in those lists, are checked tile by tile below.)"""
     torch.manual_seed(0)
     B, H, T, d = 2, 2, 512, 16
     doc_ids = tg.doc_ids_of(random_documents(B, T, 7, 0), 7)
+    w = None
     q, k, v = torch.randn(3, B, H, T, d).unbind(0)
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=tg.dense_attention_mask(doc_ids, window), scale=0.12)
-    flex = tg.flex_attention(q, k, v, block_mask=tg.flex_document_mask(doc_ids, window), scale=0.12)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=tg.dense_attention_mask(doc_ids, w), scale=0.12)
+    flex = tg.flex_attention(q, k, v, block_mask=tg.flex_document_mask(doc_ids, w), scale=0.12)
     torch.testing.assert_close(dense, flex, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [100, 128, 300, 1024])
-def test_block_structure_is_exact(window):
-    """Skipped blocks hold no allowed pair, full blocks only allowed pairs (the eager FlexAttention used on
-    CPU applies mask_mod everywhere, so the forward test alone cannot see a wrong 'full' block)."""
+def record_window_tiles(allowed, w, blk):
+    """Independent oracle of the record's block window, per query block from the token mask: the visited
+    tiles (any allowed pair), nearest first; the full ones (every pair allowed below the diagonal) capped at
+    w - 1, the partial ones at max(w - #full, 1)."""
+    B, T, _ = allowed.shape
+    nb = T // blk
+    tiles = allowed.view(B, nb, blk, nb, blk)
+    kept = torch.zeros(B, nb, nb, dtype=torch.bool)
+    for b in range(B):
+        for qb in range(nb):
+            visited = [kb for kb in range(qb, -1, -1) if tiles[b, qb, :, kb].any()]
+            full = [kb for kb in visited if kb < qb and tiles[b, qb, :, kb].all()]
+            partial = [kb for kb in visited if kb not in full]
+            for kb in full[:min(len(full), max(w - 1, 0))] + partial[:min(len(partial), max(w - len(full), 1))]:
+                kept[b, qb, kb] = True
+    return kept
+
+
+@pytest.mark.parametrize("w", [0, 1, 2, 5, 100])
+def test_window_tiles_follow_the_record(w):
+    """The block masks keep exactly the tiles the record's rule keeps, and 'full' tiles hold only allowed
+    pairs (the eager FlexAttention used on CPU applies mask_mod everywhere, so the forward test alone cannot
+    see a wrong 'full' tile)."""
     T, blk = 1024, 128
     doc_ids = tg.doc_ids_of(random_documents(2, T, 7, 1), 7)
-    allowed = tg.dense_attention_mask(doc_ids, window)[:, 0]  # (B, T, T)
-    bm = tg.flex_document_mask(doc_ids, window)
-    per_block = allowed.view(2, T // blk, blk, T // blk, blk)
-    any_pair, all_pairs = per_block.any(4).any(2), per_block.all(4).all(2)
+    pos = torch.arange(T)
+    allowed = (pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    (p_count, p_index), (f_count, f_index) = tg.document_blocks(doc_ids, torch.tensor(w, dtype=torch.int32))
 
-    def blocks(counts, indices):
-        out = torch.zeros_like(any_pair)
+    def tiles(counts, indices):
+        out = torch.zeros(2, T // blk, T // blk, dtype=torch.bool)
         for b in range(2):
             for qb in range(T // blk):
                 out[b, qb, indices[b, 0, qb, :counts[b, 0, qb]].long()] = True
         return out
 
-    partial = blocks(bm.kv_num_blocks, bm.kv_indices)
-    full = blocks(bm.full_kv_num_blocks, bm.full_kv_indices)
+    partial, full = tiles(p_count, p_index), tiles(f_count, f_index)
+    block_mask = tg.flex_document_mask(doc_ids, torch.tensor(w, dtype=torch.int32))
+    assert torch.equal(block_mask.to_dense()[:, 0].bool(), partial | full)  # what the CUDA kernel visits
     assert not (partial & full).any()
-    assert torch.equal(partial | full, any_pair)
-    assert (all_pairs | ~full).all()
-    assert partial.any() and (full.any() or window < 256)  # the test exercises both kinds
+    assert torch.equal(partial | full, record_window_tiles(allowed, w, blk))
+    assert allowed.view(2, T // blk, blk, T // blk, blk).all(4).all(2)[full].all()
+    expected = (record_window_tiles(allowed, w, blk).repeat_interleave(blk, 1).repeat_interleave(blk, 2) & allowed)
+    assert torch.equal(tg.dense_attention_mask(doc_ids, torch.tensor(w, dtype=torch.int32))[:, 0], expected)
+    # in one long document the window is the query's own block and the w - 1 before it
+    single = torch.zeros(1, T, dtype=torch.long)
+    (p_count, _), (f_count, _) = tg.document_blocks(single, torch.tensor(w, dtype=torch.int32))
+    assert (p_count + f_count)[0, 0].tolist() == [min(qb + 1, max(w, 1)) for qb in range(T // blk)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -250,9 +276,9 @@ def test_lm_head_terms_match_autograd_and_cross_entropy():
     torch.testing.assert_close(grad, grad_expected)
     vanilla_nll = torch.logaddexp(terms[0], terms[1]) - terms[2]
     torch.testing.assert_close(vanilla_nll, F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="none").view(2, 5))
-    # with the soft-cap applied inside: the same as autograd through cap * tanh(u / cap)
+    # with the soft-cap applied inside: the same as autograd through the record's cap * tanh(u / cap) + cap
     u = (z.detach() * 4).requires_grad_()
-    capped = 5 * torch.tanh(u / 5)
+    capped = 5 * torch.tanh(u / 5) + 5
     terms = tg.lm_head_terms(u, y, 32, softcap=5.0)
     expected = [torch.cat([capped[..., :32], capped[..., 33:]], -1).logsumexp(-1), capped[..., 32],
                 capped.gather(-1, y[..., None])[..., 0]]
@@ -376,7 +402,7 @@ def test_cplm_adds_only_the_cp_head_and_stop_grad_cuts_its_gradient():
     assert not torch.allclose(grads[0], grads[1])  # the CP head's gradient reaches the backbone...
     # ...and with cp_stop_grad it is exactly the gradient of the loss with q, k held constant
     model = tiny_model(1, cp_dim=16)
-    h, doc_ids = model.hidden_states(ids, ids.size(1))
+    h, doc_ids = model.hidden_states(ids)
     q, k, sink = model.cp_head(h.detach())
     copyable = tg.target_in_context(ids, targets, doc_ids, model.config.padded_vocab)
     stats = tg.cplm_target_log_prob(model.lm_logits(h), q, k, sink, ids, targets, doc_ids, copyable, VOCAB,
@@ -403,12 +429,17 @@ def test_newton_schulz_orthogonalises_and_muon_scales():
 
 
 def test_schedules():
-    a = tg.Hyperparameters(num_iterations=100, cooldown_frac=0.4, attn_window=1792, attn_window_start=128)
+    a = tg.Hyperparameters(num_iterations=100, cooldown_frac=0.4)
     assert tg.lr_multiplier(0, a) == 1 and tg.lr_multiplier(59, a) == 1
     assert tg.lr_multiplier(80, a) == pytest.approx(0.55) and tg.lr_multiplier(100, a) == pytest.approx(0.1)
-    windows = [tg.attention_window(s, a) for s in range(101)]
-    assert windows[0] == 128 and windows[-1] == 1792 and windows == sorted(windows)
-    assert all(w % 128 == 0 for w in windows)
+    # the record: next multiple of 128 of 1728 x step / steps, at least 128 tokens, in blocks of 128
+    record = tg.Hyperparameters()
+    for step in range(record.num_iterations + 1):
+        tokens = 1728 * step / record.num_iterations
+        expected = next(x for x in range(128, int(tokens) + 129, 128) if x >= tokens) // 128
+        assert tg.window_blocks(step, record) == expected
+    assert tg.window_blocks(0, record) == 1 and tg.window_blocks(1770, record) == 14
+    assert tg.window_blocks(7, tg.Hyperparameters(attn_window_start=1024, attn_window=1024)) == 8
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -434,7 +465,7 @@ def test_cli_run_writes_a_complete_log(toy_data, tmp_path):
     (["--cplm", "2"], "--cplm must be 0 or 1"),
     (["--seq_len", "1000"], "multiple of 128"),
     (["--preset", "tpu"], "--preset must be one of"),
-    (["--copy_gate_init", "1"], "must lie in (0, 1)"),
+    (["--copy_gate_init", "1"], "must lie in [0, 1)"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message):
     r = run_cli(args)

@@ -12,11 +12,14 @@ and `Hyperparameters.cplm` (the switch).
 import argparse
 import ctypes
 import dataclasses
+import datetime
 import glob
+import inspect
 import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -39,57 +42,61 @@ from torch.utils.checkpoint import checkpoint
 class Hyperparameters:
     preset: str = "auto"  # speedrun (8xH100) | cpu (2 cores, minutes) | auto: speedrun with CUDA, else cpu
     # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of train shards
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of val shards
     val_tokens: int = 10485760  # the first val_tokens tokens of the val files are the validation set
     vocab_size: int = 50257  # tokenizer ids; <copy> is id vocab_size; the head is padded to a multiple of 128
     bos_id: int = 50256  # starts every document: attention and copying never cross it
     # batch: one optimizer step sees batch_size tokens = (batch_size // seq_len) rows of seq_len tokens,
     # split over ranks and, when there are fewer ranks than rows, over gradient-accumulation micro-steps
-    batch_size: int = 8 * 64 * 1024
-    seq_len: int = 64 * 1024  # tokens in one packed row (one micro-step of one rank); multiple of 128
-    val_seq_len: int = 64 * 1024
+    batch_size: int = 8 * 48 * 1024  # tokens a step
+    seq_len: int = 48 * 1024  # tokens in one packed row (one micro-step of one rank); multiple of 128
+    val_seq_len: int = 4 * 64 * 1024  # tokens in one validation row
     # model
     num_layers: int = 12
     model_dim: int = 768
     num_heads: int = 6
-    attn_window: int = 1792  # sliding-window size (tokens) at the end of training
-    attn_window_start: int = 128  # window at step 0; it grows linearly to attn_window
-    logit_softcap: float = 15.0
+    no_attention_layer: int = 7  # this layer has an MLP only, as in the record (-1: attention everywhere)
+    # sliding window: grows linearly over training from attn_window_start to attn_window tokens, rounded up
+    # to whole 128-token blocks (at least one); "short" layers use half as many blocks as "long" ones
+    attn_window_start: int = 0
+    attn_window: int = 1728
+    logit_softcap: float = 15.0  # z = 2 cap sigmoid(2 u / cap), the record's shifted tanh soft-cap
+    fp8_head: int = -1  # FP8 matmul in the LM head while training: 1 on, 0 off, -1 where the GPU has FP8
     # Copy-Paste head (see CopyPasteHead)
     cplm: int = 0  # 0: vanilla GPT; 1: CPLM (CP head + <copy> gate + mixture loss)
     cp_dim: int = 64  # width of the CP head's queries and keys
-    # records/gate_init: W_Q, W_K trained by Muon or by Adam end level (3.032 vs 3.026 at 100 cpu steps), so
-    # Adam, which keeps them out of Muon's all-gather; a gate that starts half open reaches the vanilla run's
-    # final loss in half the steps of one that starts closed (c = 1/50304), and ends level (3.014 vs 3.026)
-    cp_optimizer: str = "adam"  # "adam" (at lr_cp) or "muon" (at lr_muon)
-    lr_cp: float = 0.008
-    copy_gate_init: float = 0.5  # the gate c at step 0, set through a bias on the <copy> logit
+    cp_backend: str = "auto"  # CP sums by "flex" (FlexAttention, CUDA) or "dense" (chunked); auto: flex on CUDA
+    cp_optimizer: str = "adam"  # W_Q, W_K trained by "adam" (at lr_cp) or "muon" (at lr_muon)
+    lr_cp: float = 0.008  # Adam learning rate of W_Q and W_K
+    copy_gate_init: float = 0.0  # the gate c at step 0 (a bias on the <copy> logit); 0: closed as in the paper
     cp_stop_grad: int = 0  # ablation: 1 stops the CP head's gradient into the backbone
     # optimization
-    num_iterations: int = 1770
+    num_iterations: int = 1770  # optimizer steps
     cooldown_frac: float = 0.4  # the learning rates decay linearly over this final fraction of steps
-    lr_embed: float = 0.6
-    lr_head: float = 0.008
-    lr_scalar: float = 0.04
-    lr_muon: float = 0.05
-    muon_momentum: float = 0.95
+    lr_embed: float = 0.6  # Adam: token and value embeddings
+    lr_head: float = 0.008  # Adam: LM head
+    lr_scalar: float = 0.04  # Adam: scalars (block mixes, skip weights, sink key, <copy> bias)
+    lr_muon: float = 0.05  # Muon: the hidden matrices
+    muon_momentum: float = 0.95  # Muon momentum after its warm-up
     muon_momentum_warmup_steps: int = 300  # momentum rises linearly from 0.85 to muon_momentum
     # evaluation, logging, checkpoints
     val_loss_every: int = 125  # 0: validate only at the end
+    train_loss_every: int = 0  # > 0: log the train loss every this many steps (a host sync; the record logs none)
     target_val_loss: float = 0.0  # > 0: stop at the first validation at or below it
-    seed: int = 0
-    run_id: str = ""  # default: a fresh uuid
-    log_dir: str = "logs"
-    compile: int = -1  # torch.compile the model; -1: on CUDA only
+    seed: int = 0  # initial weights
+    run_id: str = ""  # log name; default: a fresh uuid
+    log_dir: str = "logs"  # where logs and checkpoints go
+    compile: int = -1  # torch.compile the model and Newton-Schulz; -1: on CUDA only
     warmup_steps: int = 10  # untimed steps that compile kernels; the model and optimizers are then reset
+    dist_timeout_s: int = 900  # a collective that waits longer ends the job instead of hanging it
     checkpoint_every: int = 0  # > 0: save a checkpoint every this many steps
     save_checkpoint: int = 0  # 1: save one at the end
     resume: str = ""  # path of a checkpoint to continue from
 
 
 PRESETS = {
-    # the 8xH100 speedrun: 1770 steps of 512Ki tokens; one 64Ki-token row per GPU and step
+    # the 8xH100 speedrun: modded-nanogpt's 2025-01-26 record (1770 steps of 8 x 48Ki tokens); the defaults
     "speedrun": dict(),
     # a 2-core CPU: a 4 x 128 model that trains in minutes on the Python standard library's source
     "cpu": dict(
@@ -106,10 +113,15 @@ PRESETS = {
         attn_window_start=1024,
         num_iterations=200,
         val_loss_every=25,
+        train_loss_every=1,
         warmup_steps=0,
         lr_muon=0.04,
     ),
 }
+
+
+# --help shows each field's comment: the dataclass is the one place a flag is described
+FIELD_HELP = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", inspect.getsource(Hyperparameters), re.MULTILINE))
 
 
 class UsageError(Exception):
@@ -127,7 +139,8 @@ def parse_args(argv=None) -> Hyperparameters:
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # one line, not usage
     for f in dataclasses.fields(Hyperparameters):
         kind = type(getattr(defaults, f.name))
-        parser.add_argument(f"--{f.name}", type=kind, default=None, metavar=kind.__name__.upper())
+        parser.add_argument(f"--{f.name}", type=kind, default=None, metavar=kind.__name__.upper(),
+                            help=f"{FIELD_HELP.get(f.name, '')} (default {getattr(defaults, f.name)!r})")
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     preset = given.get("preset", "auto")
     if preset == "auto":
@@ -152,10 +165,14 @@ def check_args(a: Hyperparameters):
     need(a.model_dim % a.num_heads == 0 and (a.model_dim // a.num_heads) % 4 == 0,
          "--model_dim must be num_heads x head_dim with head_dim a multiple of 4")
     need(a.num_layers >= 1 and a.num_iterations >= 0, "--num_layers must be >= 1 and --num_iterations >= 0")
-    need(0 < a.attn_window_start <= a.attn_window, "need 0 < --attn_window_start <= --attn_window")
+    need(0 <= a.attn_window_start <= a.attn_window, "need 0 <= --attn_window_start <= --attn_window")
+    need(a.no_attention_layer >= -1, "--no_attention_layer is a layer index, or -1 for none")
+    need(a.fp8_head in (-1, 0, 1) and a.cp_backend in ("auto", "flex", "dense"),
+         "--fp8_head must be -1, 0 or 1; --cp_backend auto, flex or dense")
     need(0 <= a.bos_id < a.vocab_size, "--bos_id must be a token id below --vocab_size")
     need(a.cp_dim > 0 and a.cp_optimizer in ("adam", "muon"), "--cp_dim must be > 0, --cp_optimizer adam|muon")
-    need(0 < a.copy_gate_init < 1, "--copy_gate_init is the gate's starting value: it must lie in (0, 1)")
+    need(0 <= a.copy_gate_init < 1, "--copy_gate_init is the gate's starting value: it must lie in [0, 1)")
+    need(a.dist_timeout_s > 0 and a.train_loss_every >= 0, "--dist_timeout_s must be > 0, --train_loss_every >= 0")
     need(0 <= a.cooldown_frac <= 1, "--cooldown_frac must lie in [0, 1]")
     need(a.resume == "" or os.path.isfile(a.resume), f"--resume: no such checkpoint file: {a.resume}")
 
@@ -222,6 +239,8 @@ class TrainLoader:
         for i in range(self.rank, self.batch_size // self.seq_len, self.world_size):  # this rank's rows only
             start = self.position + i * self.seq_len
             row = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+            if torch.device(device).type == "cuda":  # from pinned memory the copy is asynchronous: no GPU wait
+                row = row.pin_memory()
             row = row.to(device, non_blocking=True)
             micro.append((row[None, :-1], row[None, 1:]))
         self.position += self.batch_size
@@ -240,7 +259,7 @@ def load_val_tokens(pattern: str, num_tokens: int, vocab_size: int) -> torch.Ten
 
 
 # -----------------------------------------------------------------------------------------------------
-# Model: the backbone (GPT of the early-2025 speedrun records)
+# Model: the backbone (the GPT of modded-nanogpt's 2025-01-26 record)
 
 
 def norm(x):
@@ -251,16 +270,92 @@ def next_multiple(n, multiple):
     return -(-n // multiple) * multiple
 
 
-class CastedLinear(nn.Linear):
-    """Linear without bias whose fp32 weight is cast to the activations' dtype (bf16 on GPU)."""
+# FP8 matmul for the LM head (training only, as in the record): x and W are scaled into float8_e4m3fn, the
+# gradient into float8_e5m2 (more range, less precision); torch._scaled_mm undoes the scales. A custom op,
+# so torch.compile treats it as one opaque kernel; its backward reuses the FP8 copies saved by the forward.
 
-    def __init__(self, in_features, out_features, zero_init=False):
+
+def _to_fp8(t, scale, dtype):
+    return t.mul(scale).to(dtype)
+
+
+_to_fp8_fused = None  # on CUDA, a compiled _to_fp8 (scale and cast in one kernel)
+
+
+def _quantize(t, scale, dtype):
+    global _to_fp8_fused
+    if t.device.type != "cuda":
+        return _to_fp8(t, scale, dtype)
+    if _to_fp8_fused is None:
+        _to_fp8_fused = torch.compile(_to_fp8)
+    return _to_fp8_fused(t, scale, dtype)
+
+
+@torch.library.custom_op("cplm::fp8_matmul", mutates_args=())
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_scale: float, w_scale: float,
+               grad_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (N, in) @ w (out, in).T in FP8 -> bf16 (N, out); also returns the FP8 x and w for the backward."""
+    x8, w8 = _quantize(x, x_scale, torch.float8_e4m3fn), _quantize(w, w_scale, torch.float8_e4m3fn)
+    out = torch._scaled_mm(x8, w8.t(), out_dtype=torch.bfloat16, use_fast_accum=True,
+                           scale_a=x.new_tensor(1 / x_scale, dtype=torch.float32),
+                           scale_b=x.new_tensor(1 / w_scale, dtype=torch.float32))
+    return out, x8, w8
+
+
+@fp8_matmul.register_fake
+def _(x, w, x_scale, w_scale, grad_scale):
+    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.float8_e4m3fn),
+            torch.empty_like(w, dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("cplm::fp8_matmul_backward", mutates_args=())
+def fp8_matmul_backward(grad: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, x_scale: float, w_scale: float,
+                        grad_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x bf16 (N, in), grad_w fp32 (out, in)) from the bf16 output gradient and the saved FP8 operands."""
+    g8 = _quantize(grad, grad_scale, torch.float8_e5m2)
+    s_x, s_w, s_g = (grad.new_tensor(1 / s, dtype=torch.float32) for s in (x_scale, w_scale, grad_scale))
+    # _scaled_mm wants its second operand column-major: .t().contiguous().t() lays it out so
+    grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), out_dtype=torch.bfloat16, scale_a=s_g, scale_b=s_w)
+    grad_w = torch._scaled_mm(x8.t().contiguous(), g8.t().contiguous().t(), out_dtype=torch.float32,
+                              scale_a=s_x, scale_b=s_g).t()
+    return grad_x, grad_w
+
+
+@fp8_matmul_backward.register_fake
+def _(grad, x8, w8, x_scale, w_scale, grad_scale):
+    return grad.new_empty(x8.shape, dtype=torch.bfloat16), grad.new_empty(w8.shape, dtype=torch.float32)
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+    ctx.scales = inputs[2:]
+    ctx.set_materialize_grads(False)
+
+
+def _fp8_backward(ctx, grad_out, *_):
+    x8, w8 = ctx.saved_tensors
+    grad_x, grad_w = fp8_matmul_backward(grad_out.contiguous(), x8, w8, *ctx.scales)
+    return grad_x, grad_w, None, None, None
+
+
+fp8_matmul.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+
+
+class CastedLinear(nn.Linear):
+    """Linear without bias whose fp32 weight is cast to the activations' dtype (bf16 on GPU). With fp8_scales
+    (x, w, grad), the training forward runs in FP8 (the record's LM head)."""
+
+    def __init__(self, in_features, out_features, zero_init=False, fp8_scales=None):
         super().__init__(in_features, out_features, bias=False)
+        self.fp8_scales = fp8_scales
         bound = 0.5 * (3 / in_features) ** 0.5  # uniform with std 0.5 / sqrt(in), as in the speedrun
         with torch.no_grad():
             self.weight.zero_() if zero_init else self.weight.uniform_(-bound, bound)
 
     def forward(self, x):
+        if self.fp8_scales is not None and self.training:
+            out = fp8_matmul(x.flatten(0, -2).contiguous(), self.weight, *self.fp8_scales)[0]
+            return out.view(*x.shape[:-1], -1)
         return F.linear(x, self.weight.type_as(x))
 
 
@@ -282,6 +377,7 @@ class Rotary(nn.Module):
 
 
 ATTN_SCALE = 0.12  # QK-normed queries and keys: a fixed scale a little above 1/sqrt(head_dim), as in the records
+BLOCK = 128  # FlexAttention's block size; windows count whole blocks
 
 
 def doc_ids_of(input_ids, bos_id):
@@ -289,45 +385,64 @@ def doc_ids_of(input_ids, bos_id):
     return (input_ids == bos_id).cumsum(-1)
 
 
-def dense_attention_mask(doc_ids, window):
-    """(B, 1, T, T) bool: causal, same document, fewer than `window` positions back."""
-    pos = torch.arange(doc_ids.size(-1), device=doc_ids.device)
-    distance = pos[:, None] - pos[None, :]
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (same_doc & (distance >= 0) & (distance < window))[:, None]
-
-
-def document_block_mask(doc_ids, window, mask_mod, all_partial=False, block=128):
-    """FlexAttention BlockMask built from the document boundaries, never by evaluating mask_mod on every
-    (query, key) pair: a 128 x 128 block is skipped when it holds no causal same-document pair within the
-    window, 'full' when every pair qualifies, else 'partial' (mask_mod runs inside it). all_partial marks
-    every visited block partial, for masks that test more than the documents (the CP head's token match)."""
+def document_blocks(doc_ids, window_blocks=None, all_partial=False):
+    """Which 128 x 128 (query block, key block) tiles attention visits, from the document boundaries alone
+    (never by testing every (query, key) pair): 'full' tiles hold only causal same-document pairs, 'partial'
+    ones some (the mask runs inside them). With window_blocks w (a tensor, so a new size does not recompile),
+    each query block keeps its nearest w tiles as the record does: at most w - 1 full ones and at least its
+    own diagonal tile. all_partial: every visited tile is partial (for masks that test more than documents).
+    Returns (partial, full), each (counts (B, 1, nb), indices (B, 1, nb, nb)) with the nearest tile first."""
     B, T = doc_ids.shape
-    nb = T // block
-    first, last = doc_ids.view(B, nb, block)[..., 0], doc_ids.view(B, nb, block)[..., -1]
+    nb = -(-T // BLOCK)
+    padded = F.pad(doc_ids, (0, nb * BLOCK - T), value=-1)  # pads only the dense path's odd lengths
+    padded = torch.where(padded < 0, doc_ids[:, -1:], padded).view(B, nb, BLOCK)
+    first, last = padded[..., 0], padded[..., -1]
     qb = torch.arange(nb, device=doc_ids.device)[:, None]
     kb = torch.arange(nb, device=doc_ids.device)[None, :]
-    near = (qb - kb) * block - (block - 1) < window  # the closest pair is inside the window
-    far_ok = (qb - kb) * block + (block - 1) < window  # the farthest pair is inside the window
-    doc_overlap = (first[:, :, None] <= last[:, None, :]) & (last[:, :, None] >= first[:, None, :])
+    any_doc = (first[:, :, None] <= last[:, None, :]) & (last[:, :, None] >= first[:, None, :])
     one_doc = (first[:, :, None] == last[:, None, :]) & (last[:, :, None] == first[:, None, :])
-    visit = (qb >= kb) & near & doc_overlap
-    full = (qb > kb) & far_ok & one_doc & visit & (not all_partial)
+    visit = (qb >= kb) & any_doc
+    full = visit & (qb > kb) & one_doc & (not all_partial)
     partial = visit & ~full
 
-    def as_indices(blocks):  # (B, nb, nb) bool -> counts and indices, visited blocks first
-        counts = blocks.sum(-1, dtype=torch.int32)[:, None]
-        order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
-        return counts.contiguous(), order.to(torch.int32)[:, None].contiguous()
+    def nearest_first(blocks):
+        counts = blocks.sum(-1, dtype=torch.int32)
+        order = torch.where(blocks, kb, -1).sort(dim=-1, descending=True).indices
+        return counts, order.to(torch.int32)
 
-    return BlockMask.from_kv_blocks(*as_indices(partial), *as_indices(full), BLOCK_SIZE=block, mask_mod=mask_mod)
+    (p_count, p_index), (f_count, f_index) = nearest_first(partial), nearest_first(full)
+    if window_blocks is not None:
+        p_count = torch.minimum(p_count, (window_blocks - f_count).clamp_min(1))
+        f_count = torch.minimum(f_count, (window_blocks - 1).clamp_min(0))
+    return (p_count[:, None].contiguous(), p_index[:, None].contiguous()), \
+        (f_count[:, None].contiguous(), f_index[:, None].contiguous())
 
 
-def flex_document_mask(doc_ids, window):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+def document_block_mask(doc_ids, mask_mod, window_blocks=None, all_partial=False):
+    """FlexAttention BlockMask from document_blocks; mask_mod runs inside the partial tiles."""
+    partial, full = document_blocks(doc_ids, window_blocks, all_partial)
+    return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=BLOCK, mask_mod=mask_mod)
 
-    return document_block_mask(doc_ids, window, mask_mod)
+
+def flex_document_mask(doc_ids, window_blocks=None):
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return document_block_mask(doc_ids, document_causal, window_blocks)
+
+
+def dense_attention_mask(doc_ids, window_blocks=None):
+    """(B, 1, T, T) bool: exactly the pairs flex_document_mask lets through, for the SDPA path."""
+    T = doc_ids.size(-1)
+    tiles = []
+    for counts, indices in document_blocks(doc_ids, window_blocks):
+        nb = indices.size(-1)
+        kept = torch.arange(nb, device=doc_ids.device) < counts[..., None]  # (B, 1, nb, nb) in list order
+        tiles.append(torch.zeros_like(kept).scatter_(-1, indices.long(), kept))  # back to block order
+    visited = (tiles[0] | tiles[1])[:, 0].repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :T, :T]
+    pos = torch.arange(T, device=doc_ids.device)
+    causal_same_doc = (pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    return (visited & causal_same_doc)[:, None]
 
 
 class CausalSelfAttention(nn.Module):
@@ -365,15 +480,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, num_heads, max_seq_len):
+    def __init__(self, dim, num_heads, max_seq_len, has_attention=True):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, max_seq_len)
+        self.attn = CausalSelfAttention(dim, num_heads, max_seq_len) if has_attention else None
         self.mlp = MLP(dim)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the residual stream and x0
 
     def forward(self, x, value_embed, x0, mask):
         x = self.lambdas[0] * x + self.lambdas[1] * x0
-        x = x + self.attn(norm(x), value_embed, mask)
+        if self.attn is not None:
+            x = x + self.attn(norm(x), value_embed, mask)
         return x + self.mlp(norm(x))
 
 
@@ -407,11 +523,14 @@ class GPTConfig:
     num_layers: int = 12
     model_dim: int = 768
     num_heads: int = 6
+    no_attention_layer: int = 7
     max_seq_len: int = 64 * 1024
     logit_softcap: float = 15.0
+    fp8_head: int = 0
     cplm: int = 0
     cp_dim: int = 64
-    copy_gate_init: float = 0.5
+    cp_backend: str = "auto"
+    copy_gate_init: float = 0.0
     cp_stop_grad: int = 0
 
     @property
@@ -423,10 +542,17 @@ class GPTConfig:
         return self.vocab_size
 
     @classmethod
-    def from_args(cls, a: Hyperparameters):
+    def from_args(cls, a: Hyperparameters, fp8_head=0):  # fp8_head: resolved for the device (0 or 1)
         kept = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dataclasses.asdict(a).items() if k in kept},
-                   max_seq_len=max(a.seq_len, a.val_seq_len))
+        given = {k: v for k, v in dataclasses.asdict(a).items() if k in kept}
+        return cls(**{**given, "fp8_head": fp8_head}, max_seq_len=max(a.seq_len, a.val_seq_len))
+
+
+def window_pattern(num_layers):
+    """Long (True) or short window per layer: the record's [L S S S L S | S L S S S L] for 12 layers, i.e.
+    every 4th encoder layer long, mirrored in the decoder."""
+    encoder = [i % 4 == 0 for i in range(num_layers // 2)]
+    return encoder + (num_layers % 2) * [True] + encoder[::-1]
 
 
 class GPT(nn.Module):
@@ -434,31 +560,37 @@ class GPT(nn.Module):
         super().__init__()
         self.config = c = config
         V, D, L = c.padded_vocab, c.model_dim, c.num_layers
-        self.embed = nn.Embedding(V, D)
+        self.embed = nn.Embedding(c.vocab_size, D)  # inputs are token ids only: no row for <copy> or padding
         # value embeddings feed the first and the last few layers (U-net symmetric)
         self.num_value_embeds = min(3, L // 2)
-        self.value_embeds = nn.ModuleList([nn.Embedding(V, D) for _ in range(self.num_value_embeds)])
-        self.blocks = nn.ModuleList([Block(D, c.num_heads, c.max_seq_len) for _ in range(L)])
+        self.value_embeds = nn.ModuleList([nn.Embedding(c.vocab_size, D) for _ in range(self.num_value_embeds)])
+        self.blocks = nn.ModuleList([Block(D, c.num_heads, c.max_seq_len, i != c.no_attention_layer)
+                                     for i in range(L)])
+        self.long_window = window_pattern(L)
         # U-net: the first half's outputs are added, weighted, to the second half's inputs
         self.num_encoder_layers = L // 2
         self.skip_weights = nn.Parameter(torch.ones(L - self.num_encoder_layers))
-        self.lm_head = CastedLinear(D, V, zero_init=True)
+        # the record's FP8 scales for x, W and the gradient (chosen for a zero-initialised 768 x 50304 head)
+        self.lm_head = CastedLinear(D, V, zero_init=True, fp8_scales=(2.0, 2.0 ** 9, 2.0 ** 19) if c.fp8_head else None)
         self.cp_head = CopyPasteHead(D, c.cp_dim) if c.cplm else None
-        if c.cplm:  # a bias on the <copy> logit (after the soft-cap); the zero-initialised head makes every
-            # other logit 0 at step 0, so c = copy_gate_init there
-            bias = math.log(c.copy_gate_init / (1 - c.copy_gate_init)) + math.log(c.padded_vocab - 1)
-            self.copy_logit_bias = nn.Parameter(torch.tensor(bias))
+        if c.cplm:  # a bias on the <copy> logit; the zero-initialised head makes every logit equal at step 0,
+            # so c = copy_gate_init there (0: no bias, c = 1 / padded vocab, the paper's closed gate)
+            c_init = c.copy_gate_init or 1 / V
+            self.copy_logit_bias = nn.Parameter(torch.tensor(math.log(c_init / (1 - c_init)) + math.log(V - 1)))
         # "flex" (FlexAttention kernels, CUDA) or "dense" (masked SDPA and chunked dense CP sums, any device)
         self.attention_backend = "flex" if torch.cuda.is_available() else "dense"
+        self.cp_backend = self.attention_backend if c.cp_backend == "auto" else c.cp_backend
 
-    def hidden_states(self, input_ids, window):
-        """Final normed hidden states h (B, T, D) and the document ids."""
+    def hidden_states(self, input_ids, window_blocks=None):
+        """Final normed hidden states h (B, T, D) and the document ids. window_blocks: the long layers'
+        sliding window in 128-token blocks (an int32 tensor), short layers use half; None: whole documents."""
         c = self.config
         doc_ids = doc_ids_of(input_ids, c.bos_id)
+        short_blocks = None if window_blocks is None else window_blocks // 2
         if self.attention_backend == "flex":
-            mask = flex_document_mask(doc_ids, window)
+            long, short = flex_document_mask(doc_ids, window_blocks), flex_document_mask(doc_ids, short_blocks)
         else:
-            mask = dense_attention_mask(doc_ids, window)
+            long, short = dense_attention_mask(doc_ids, window_blocks), dense_attention_mask(doc_ids, short_blocks)
         ve = [emb(input_ids) for emb in self.value_embeds]
         ve = ve + [None] * (c.num_layers - 2 * len(ve)) + ve
         x = x0 = norm(self.embed(input_ids))
@@ -466,40 +598,42 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             if i >= self.num_encoder_layers:
                 x = x + self.skip_weights[i - self.num_encoder_layers] * skips.pop()
-            x = block(x, ve[i], x0, mask)
+            x = block(x, ve[i], x0, long if self.long_window[i] else short)
             if i < self.num_encoder_layers:
                 skips.append(x)
         return norm(x), doc_ids
 
     def lm_logits(self, h):
         """Soft-capped LM-head logits over the padded vocabulary, float32."""
-        cap = self.config.logit_softcap
-        return cap * torch.tanh(self.lm_head(h).float() / cap)
+        return soft_cap(self.lm_head(h), self.config.logit_softcap)
 
-    def forward(self, input_ids, target_ids, window=None, token_stats=False):
+    def forward(self, input_ids, target_ids, window_blocks=None, token_stats=False):
         """Mean next-token loss; with token_stats, a dict of per-token tensors (B, T): nll, copyable
         (the target occurs earlier in its document) and, in CPLM mode, the gates lam, c, s."""
-        window = input_ids.size(-1) if window is None else window
-        h, doc_ids = self.hidden_states(input_ids, window)
-        head_out, cap, copy_id = self.lm_head(h), self.config.logit_softcap, self.config.copy_id
+        h, doc_ids = self.hidden_states(input_ids, window_blocks)
+        head_out, cap = self.lm_head(h), self.config.logit_softcap
         copyable = None  # vanilla training never needs it: no sort on that hot path
         if self.cp_head is not None or token_stats:
             copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
-        if self.cp_head is None:  # cross-entropy over all slots, through the same LM-head kernel as CPLM
-            lse_without_copy, z_copy, z_y = lm_head_terms(head_out, target_ids, copy_id, cap)
-            stats = {"nll": torch.logaddexp(lse_without_copy, z_copy) - z_y}
+        if self.cp_head is None:  # the record's loss: cross-entropy over every slot of the soft-capped logits
+            z = soft_cap(head_out, cap)
+            nll = F.cross_entropy(z.flatten(0, -2), target_ids.flatten(), reduction="none" if token_stats else "mean")
+            stats = {"nll": nll.view_as(target_ids) if token_stats else nll}
         else:
             q, k, sink_key = self.cp_head(h.detach() if self.config.cp_stop_grad else h)
             stats = cplm_target_log_prob(head_out, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
-                                         copy_id, self.copy_logit_bias, cap, backend=self.attention_backend)
+                                         self.config.copy_id, self.copy_logit_bias, cap, backend=self.cp_backend,
+                                         chunk=4096 if h.is_cuda else 512)
             stats["nll"] = -stats.pop("log_p")
-        return {**stats, "copyable": copyable} if token_stats else stats["nll"].mean()
+        if token_stats:
+            return {**stats, "copyable": copyable}
+        return stats["nll"] if self.cp_head is None else stats["nll"].mean()
 
     @torch.no_grad()
     def next_token_log_probs(self, input_ids):
         """log p(next token) at every position and vocabulary slot, (B, T, padded_vocab) float32, through
         the dense reference. Each row must be one document (no BOS after position 0)."""
-        h, _ = self.hidden_states(input_ids, input_ids.size(-1))
+        h, _ = self.hidden_states(input_ids)
         logits = self.lm_logits(h)
         if self.cp_head is None:
             return logits.log_softmax(-1)
@@ -567,8 +701,8 @@ def copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk=512
             hit = input_ids[b, kv_idx] == target_ids[b, q_idx]
             return same & (hit | (~copyable[b, q_idx] & (q_idx == kv_idx)))
 
-        doc_mask = flex_document_mask(doc_ids, T)
-        match_mask = document_block_mask(doc_ids, T, match_mod, all_partial=True)
+        doc_mask = flex_document_mask(doc_ids)
+        match_mask = document_block_mask(doc_ids, match_mod, all_partial=True)
         # the value is k (unused): only the LSEs, with their gradients, enter the loss
         _, doc_aux = flex_attention(q4, k4, k4, block_mask=doc_mask, scale=scale, return_aux=AuxRequest(lse=True))
         _, match_aux = flex_attention(q4, k4, k4, block_mask=match_mask, scale=scale, return_aux=AuxRequest(lse=True))
@@ -580,7 +714,8 @@ def copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk=512
     lse_doc, lse_match = [], []
     for lo in range(0, q.size(1), chunk):
         hi = min(lo + chunk, q.size(1))
-        k_lo = int(doc_start[:, lo].min())  # no key before the first query's document can be used
+        # no key before the first query's document can be used (a host read: eager only)
+        k_lo = 0 if torch.compiler.is_compiling() else int(doc_start[:, lo].min())
         parts = checkpoint(_dense_copy_lse_chunk, q[:, lo:hi], k[:, k_lo:hi], input_ids[:, k_lo:hi],
                            target_ids[:, lo:hi], doc_ids[:, lo:hi], doc_ids[:, k_lo:hi], copyable[:, lo:hi],
                            lo, k_lo, scale, use_reentrant=False)
@@ -608,44 +743,24 @@ def _dense_copy_lse_chunk(q, k, key_ids, targets, q_docs, k_docs, copyable, q_lo
     return scores.masked_fill(~doc_causal, neg_inf).logsumexp(-1), scores.masked_fill(~match, neg_inf).logsumexp(-1)
 
 
-class LMHeadTerms(torch.autograd.Function):
-    """From the LM head's output u (N, Vp): the soft-capped logits z = cap tanh(u / cap) (cap 0: z = u), then
-    the logsumexp over every slot but <copy>, z_copy and z_y. The same numbers as autograd through tanh,
-    slices and gathers, but the hand-written backward builds one (N, Vp) tensor where autograd builds
-    five: the (N, Vp) passes dominate a CPU step. Both modes use it (vanilla: nll = logsumexp(z) - z_y),
-    so a CPLM / vanilla ratio measures the CP head, not two implementations of the LM-head softmax."""
-
-    @staticmethod
-    def forward(ctx, u, target_ids, copy_id, softcap):
-        if softcap > 0:
-            z = u.float().div(softcap).tanh_().mul_(softcap)
-            row_max = torch.full_like(z[:, 0], softcap)  # |z| <= cap: exp(z - cap) cannot overflow
-        else:
-            z = u.float()
-            row_max = torch.maximum(z[:, :copy_id].amax(-1), z[:, copy_id + 1:].amax(-1))
-        e = (z - row_max[:, None]).exp_()
-        e[:, copy_id] = 0
-        lse_without_copy = e.sum(-1).log_() + row_max
-        ctx.copy_id, ctx.softcap, ctx.dtype = copy_id, softcap, u.dtype
-        ctx.save_for_backward(z, target_ids, lse_without_copy)
-        return lse_without_copy, z[:, copy_id].clone(), z.gather(1, target_ids[:, None])[:, 0]
-
-    @staticmethod
-    def backward(ctx, grad_lse, grad_copy, grad_target):
-        z, target_ids, lse_without_copy = ctx.saved_tensors
-        grad = (z - lse_without_copy[:, None]).exp_().mul_(grad_lse[:, None])  # softmax without <copy>
-        grad[:, ctx.copy_id] = grad_copy
-        grad.scatter_add_(1, target_ids[:, None], grad_target[:, None])
-        if ctx.softcap > 0:  # d z / d u = 1 - tanh^2 = 1 - (z / cap)^2
-            grad.mul_(z.div(ctx.softcap).square_().neg_().add_(1))
-        return grad.to(ctx.dtype), None, None, None
+def soft_cap(u, cap):
+    """The record's soft-cap, z = 2 cap sigmoid(2 u / cap) = cap tanh(u / cap) + cap (the shift changes no
+    softmax), in float32; cap 0: none."""
+    return 2 * cap * torch.sigmoid(u.float() / (cap / 2)) if cap > 0 else u.float()
 
 
 def lm_head_terms(head_out, target_ids, copy_id, softcap=0.0):
-    """(B, T) each: logsumexp of the (soft-capped) logits without <copy>, the <copy> logit, the target's."""
-    B, T, Vp = head_out.shape
-    terms = LMHeadTerms.apply(head_out.reshape(B * T, Vp), target_ids.reshape(-1), copy_id, softcap)
-    return [x.view(B, T) for x in terms]
+    """(B, T) each: the logsumexp of the soft-capped logits without <copy>, the <copy> logit, the target's.
+    Written so torch.compile fuses every (N, V) step into the reductions: the two single logits are read
+    from head_out (a select and a masked sum, whose gradients are elementwise) and soft-capped afterwards,
+    so neither the forward nor the backward keeps an (N, V) float32 tensor (measured: experiments/cp_cost.py
+    lm_head_memory)."""
+    slot = torch.arange(head_out.size(-1), device=head_out.device)
+    z = soft_cap(head_out, softcap)
+    lse_without_copy = torch.where(slot == copy_id, float("-inf"), z).logsumexp(-1)
+    z_copy = soft_cap(head_out[..., copy_id], softcap)
+    z_y = soft_cap(torch.where(slot == target_ids[..., None], head_out, 0).sum(-1), softcap)  # one term: exact
+    return lse_without_copy, z_copy, z_y
 
 
 def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_ids, copyable, copy_id,
@@ -662,7 +777,7 @@ def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_i
     log_p_full_y = z_y - log_z
 
     scale = q.size(-1) ** -0.5
-    a_sink = (q @ sink_key.type_as(q)).float() * scale
+    a_sink = (q.float() @ sink_key.float()) * scale  # fp32: the sink competes with every position's score
     lse_doc, lse_match = copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk)
     lse_all = torch.logaddexp(lse_doc.float(), a_sink)
     log_s = a_sink - lse_all
@@ -691,51 +806,74 @@ def newton_schulz(G, steps=5):
     return (X.mT if transposed else X).to(G.dtype)
 
 
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # renamed in torch 2.10+
+
+
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then Newton-Schulz orthogonalisation, scaled by sqrt(max(1, rows / cols)).
-    Our own rather than torch.optim.Muon: with several ranks, each orthogonalises only its share of the
-    matrices and the updated weights are all-gathered (the speedrun's split of the work); torch.optim.Muon
-    repeats every matrix on every rank. Every rank keeps every momentum buffer, so a checkpoint saved by
-    rank 0 resumes at any world size."""
+    With several ranks, as in the record: each rank orthogonalises every world_size-th matrix of a group of
+    equal-sized ones, and the bf16 updates are all-gathered asynchronously while the next ones are computed.
+    Our own rather than torch.optim.Muon, which repeats every matrix on every rank. Every rank keeps every
+    momentum buffer (a few elementwise ops more than the record), so a checkpoint from rank 0 resumes at
+    any world size."""
 
-    def __init__(self, params, lr, momentum, rank=0, world_size=1):
+    def __init__(self, params, lr, momentum, rank=0, world_size=1, orthogonalize=newton_schulz):
         params = sorted(params, key=lambda p: -p.numel())
-        groups = [{"params": [p for p in params if p.shape == shape]} for shape in dict.fromkeys(p.shape for p in params)]
+        groups = [{"params": [p for p in params if p.numel() == n]} for n in dict.fromkeys(p.numel() for p in params)]
         super().__init__(groups, dict(lr=lr, momentum=momentum))
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.orthogonalize = rank, world_size, orthogonalize
 
     @torch.no_grad()
-    def step(self):
+    def step(self, wait_for_gradient=lambda p: None):
         for group in self.param_groups:
             params, lr, momentum = group["params"], group["lr"], group["momentum"]
             for p in params:
+                wait_for_gradient(p)
                 buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
                 buf.lerp_(p.grad, 1 - momentum)
+            if self.world_size == 1:
+                for p in params:
+                    p.add_(self._update(p, momentum), alpha=-lr * max(1, p.size(-2) / p.size(-1)) ** 0.5)
+                continue
+            flat = torch.empty(self.world_size * params[0].numel(), dtype=torch.bfloat16, device=params[0].device)
+            gathered = flat.view(self.world_size, -1)  # row r: the update computed by rank r
+            pending = None  # (the all-gather in flight, the matrices it updates)
             for base in range(0, len(params), self.world_size):
                 owned = base + self.rank
-                if owned < len(params):
-                    p = params[owned]
-                    update = newton_schulz(p.grad.lerp(self.state[p]["momentum_buffer"], momentum))
-                    p.add_(update, alpha=-lr * max(1, p.size(-2) / p.size(-1)) ** 0.5)
-                if self.world_size > 1:
-                    chunk = params[base:base + self.world_size]
-                    gathered = [q.data for q in chunk] + [torch.empty_like(chunk[0])] * (self.world_size - len(chunk))
-                    dist.all_gather(gathered, gathered[self.rank] if owned < len(params) else torch.empty_like(chunk[0]))
+                mine = self._update(params[owned], momentum).flatten() if owned < len(params) else gathered[self.rank]
+                if pending is not None:
+                    self._apply(*pending, gathered, lr)
+                work = all_gather_single(flat, mine.bfloat16(), async_op=True)
+                pending = work, params[base:base + self.world_size]
+            self._apply(*pending, gathered, lr)
+
+    def _update(self, p, momentum):
+        return self.orthogonalize(p.grad.lerp(self.state[p]["momentum_buffer"], momentum))
+
+    @staticmethod
+    def _apply(work, params, gathered, lr):
+        work.wait()
+        for p, update in zip(params, gathered):
+            p.add_(update.view_as(p), alpha=-lr * max(1, p.size(-2) / p.size(-1)) ** 0.5)
 
 
-def build_optimizers(model: GPT, a: Hyperparameters, rank, world_size):
+def build_optimizers(model: GPT, a: Hyperparameters, rank, world_size, compiled=False):
+    """[Adam, Muon], as the record sets them up; CPLM adds W_Q, W_K (Adam at lr_cp by default) and the two
+    scalars of the CP path (sink key, <copy> bias) to Adam's scalar group."""
     matrices = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2]
     cp_matrices = [model.cp_head.w_q.weight, model.cp_head.w_k.weight] if model.cp_head is not None else []
     scalars = [p for p in model.parameters() if p.ndim < 2 and p not in set(cp_matrices)]
     if a.cp_optimizer == "muon":
         matrices, cp_matrices = matrices + cp_matrices, []
     adam_groups = [
-        dict(params=[model.embed.weight, *[e.weight for e in model.value_embeds]], lr=a.lr_embed),
         dict(params=[model.lm_head.weight], lr=a.lr_head),
+        dict(params=[model.embed.weight, *[e.weight for e in model.value_embeds]], lr=a.lr_embed),
         dict(params=scalars, lr=a.lr_scalar),  # block and skip scalars; CPLM: sink key, <copy> bias
     ] + ([dict(params=cp_matrices, lr=a.lr_cp)] if cp_matrices else [])
-    adam = torch.optim.Adam(adam_groups, betas=(0.8, 0.95), eps=1e-10)
-    muon = Muon(matrices, lr=a.lr_muon, momentum=a.muon_momentum, rank=rank, world_size=world_size)
+    fused = next(model.parameters()).is_cuda  # one kernel for all of Adam's tensors
+    adam = torch.optim.Adam(adam_groups, betas=(0.8, 0.95), eps=1e-10, fused=fused or None)
+    muon = Muon(matrices, lr=a.lr_muon, momentum=a.muon_momentum, rank=rank, world_size=world_size,
+                orthogonalize=torch.compile(newton_schulz) if compiled else newton_schulz)
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -753,11 +891,12 @@ def lr_multiplier(step, a: Hyperparameters):
     return w + (1 - w) * 0.1
 
 
-def attention_window(step, a: Hyperparameters):
-    """Sliding window in tokens, growing linearly from attn_window_start to attn_window, in steps of 128."""
+def window_blocks(step, a: Hyperparameters):
+    """The long layers' sliding window in 128-token blocks: attn_window_start + (attn_window - attn_window_start)
+    x (the fraction of training done) tokens, rounded up to whole blocks, at least one. The speedrun's
+    0 -> 1728 gives 1 block (128 tokens) at step 0 and 14 (1792) at the end, as the record."""
     x = step / max(a.num_iterations, 1)
-    grown = next_multiple(int(a.attn_window_start + (a.attn_window - a.attn_window_start) * x), 128)
-    return min(a.attn_window, max(a.attn_window_start, grown))
+    return max(1, math.ceil((a.attn_window_start + (a.attn_window - a.attn_window_start) * x) / BLOCK))
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -801,7 +940,7 @@ def all_reduce_sum(t: torch.Tensor, world_size):
 
 
 @torch.no_grad()
-def evaluate(model, val_tokens, a: Hyperparameters, window, rank, world_size, device):
+def evaluate(model, val_tokens, a: Hyperparameters, window_blocks, rank, world_size, device):
     """Val loss over the first val_tokens tokens, in rows of val_seq_len dealt round-robin to the ranks,
     plus the copy diagnostics. The same numbers for every world size."""
     model.eval()
@@ -810,7 +949,7 @@ def evaluate(model, val_tokens, a: Hyperparameters, window, rank, world_size, de
     sums = torch.zeros(7, dtype=torch.float64, device=device)
     for i in range(rank, num_rows, world_size):
         row = val_tokens[i * a.val_seq_len:(i + 1) * a.val_seq_len + 1].to(device)
-        stats = model(row[None, :-1], row[None, 1:], window, token_stats=True)
+        stats = model(row[None, :-1], row[None, 1:], window_blocks, token_stats=True)
         nll, copyable = stats["nll"].double(), stats["copyable"]
         gates = [stats[g].double().sum() if g in stats else nll.new_zeros(()) for g in ("lam", "c", "s")]
         sums += torch.stack([nll.sum(), nll.new_tensor(nll.numel()), copyable.sum().double(),
@@ -847,6 +986,11 @@ def use_heap_for_large_tensors():
         pass
 
 
+def fp8_available(device):
+    """FP8 matmuls need an sm_89+ GPU (Ada, Hopper, Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def main(argv=None):
     a = parse_args(argv)
     a.run_id = a.run_id or str(uuid.uuid4())
@@ -856,6 +1000,7 @@ def main(argv=None):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the record: less fragmentation
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
@@ -866,9 +1011,10 @@ def main(argv=None):
     if (a.batch_size // a.seq_len) % world_size:
         raise UsageError(f"--batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not divisible by "
                          f"{world_size} processes")
-    if distributed:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if
-                                device.type == "cuda" else None)
+    if distributed:  # a rank that stops answering ends the job after dist_timeout_s instead of hanging it
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None,
+                                timeout=datetime.timedelta(seconds=a.dist_timeout_s))
     master = rank == 0
     log = Logger(a, master)
     try:
@@ -892,8 +1038,14 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     val_tokens = load_val_tokens(a.val_files, a.val_tokens, a.vocab_size)
     grad_accum = a.batch_size // a.seq_len // world_size
 
+    fp8_head = a.fp8_head == 1 or (a.fp8_head == -1 and fp8_available(device))
+    if a.fp8_head == -1 and device.type == "cuda" and not fp8_head:
+        log(f"notice: {torch.cuda.get_device_name(device)} has no FP8 matmul: the LM head runs in bf16")
+    compile_model = a.compile == 1 or (a.compile == -1 and device.type == "cuda")
+    if compile_model and device.type == "cuda":
+        torch._inductor.config.coordinate_descent_tuning = True  # as the record: a longer compile, faster kernels
     torch.manual_seed(a.seed)
-    model = GPT(GPTConfig.from_args(a)).to(device)
+    model = GPT(GPTConfig.from_args(a, fp8_head=int(fp8_head))).to(device)
     if device.type == "cuda":  # bf16 embeddings make the whole forward pass bf16; weights of linears stay fp32
         for m in model.modules():
             if isinstance(m, nn.Embedding):
@@ -901,38 +1053,46 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     for p in model.parameters():  # the same initial weights on every rank
         if world_size > 1:
             dist.broadcast(p.detach(), 0)
-    optimizers = build_optimizers(model, a, rank, world_size)
+    optimizers = build_optimizers(model, a, rank, world_size, compiled=compile_model)
     n_params = sum(p.numel() for p in model.parameters())
     n_cp = sum(p.numel() for p in model.cp_head.parameters()) + 1 if model.cp_head is not None else 0
     log(f"parameters: {n_params:,} (CP head and <copy> bias: {n_cp:,} = {100 * n_cp / n_params:.3f}%); "
-        f"grad_accum: {grad_accum}")
-    compiled = torch.compile(model, dynamic=False) if a.compile == 1 or (a.compile == -1 and device.type == "cuda") else model
-    params = list(model.parameters())
+        f"grad_accum: {grad_accum}; LM head: {'fp8' if fp8_head else 'bf16' if device.type == 'cuda' else 'fp32'}; "
+        f"CP backend: {model.cp_backend if model.cp_head is not None else '-'}")
+    compiled = torch.compile(model, dynamic=False) if compile_model else model
+    # gradients are averaged over ranks in the order the optimizer needs them: Muon's matrices first, so it
+    # orthogonalises while the embeddings' and head's (most of the bytes) are still on the wire
+    adam, muon = optimizers
+    reduce_order = [p for g in muon.param_groups for p in g["params"]] + \
+                   [p for g in reversed(adam.param_groups) for p in g["params"]]
+    window_tensors = {}  # one int32 tensor per window size, made once: no host-to-device copy per step
+
+    def window_tensor(step):
+        w = window_blocks(step, a)
+        if w not in window_tensors:
+            window_tensors[w] = torch.tensor(w, dtype=torch.int32, device=device)
+        return window_tensors[w]
 
     def train_step(step):
-        window = torch.tensor(attention_window(step, a), device=device)
+        window = window_tensor(step)
         loss_sum = torch.zeros((), device=device)
         for inputs, targets in loader.next_batch(device):
             loss = compiled(inputs, targets, window) / grad_accum
             loss.backward()
             loss_sum += loss.detach()
-        if world_size > 1:  # average gradients over ranks in one flat buffer
-            flat = torch.cat([p.grad.flatten().float() for p in params])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p) / world_size)
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-            loss_sum /= world_size
+        pending = reduce_gradients(reduce_order, world_size)
         for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr_multiplier(step, a)
         warm = min(step / max(a.muon_momentum_warmup_steps, 1), 1)
-        for group in optimizers[1].param_groups:
+        for group in muon.param_groups:
             group["momentum"] = (1 - warm) * 0.85 + warm * a.muon_momentum
-        for opt in optimizers:
-            opt.step()
+        muon.step(wait_for_gradient=pending.wait)
+        for p in reduce_order:
+            pending.wait(p)
+        adam.step()
         model.zero_grad(set_to_none=True)
-        return loss_sum.item()
+        return loss_sum
 
     # untimed warm-up (compiles the kernels), then everything is reset to its initial state
     if a.warmup_steps > 0 and not a.resume:
@@ -972,12 +1132,14 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
             synchronize()
             training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops during validation
-            window = torch.tensor(attention_window(step, a), device=device)  # a tensor: no recompile per size
-            result = evaluate(compiled, val_tokens, a, window, rank, world_size, device)
+            result = evaluate(compiled, val_tokens, a, window_tensor(step), rank, world_size, device)
             log(f"step:{step}/{a.num_iterations} val_loss:{result['val_loss']:.4f} "
                 f"train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms")
             log(f"step:{step}/{a.num_iterations} " + " ".join(f"{k}:{v:.4f}" for k, v in result.items()
                                                               if k != "val_loss"))
+            if not math.isfinite(result["val_loss"]):
+                log(f"stopped: val_loss is {result['val_loss']} at step {step}; lower the learning rates or check the data")
+                return 1
             if 0 < a.target_val_loss and result["val_loss"] <= a.target_val_loss:
                 log(f"target val_loss {a.target_val_loss} reached at step {step}")
                 last = True
@@ -992,11 +1154,15 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         train_loss = train_step(step)
         step += 1
         approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-        log(f"step:{step}/{a.num_iterations} train_loss:{train_loss:.4f} train_time:{approx_ms:.0f}ms "
-            f"step_avg:{approx_ms / (step - start_step):.2f}ms")
-        if not math.isfinite(train_loss):
-            log(f"stopped: train_loss is {train_loss} at step {step}; lower the learning rates or check the data")
-            return 1
+        timing = f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step - start_step):.2f}ms"
+        if a.train_loss_every > 0 and step % a.train_loss_every == 0:  # .item() waits for the GPU
+            train_loss = all_reduce_sum(train_loss, world_size).item() / world_size
+            log(f"step:{step}/{a.num_iterations} train_loss:{train_loss:.4f} {timing}")
+            if not math.isfinite(train_loss):
+                log(f"stopped: train_loss is {train_loss} at step {step}; lower the learning rates or check the data")
+                return 1
+        else:
+            log(f"step:{step}/{a.num_iterations} {timing}")
 
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
@@ -1006,6 +1172,33 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         log(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
     log(f"final val_loss:{result['val_loss']:.4f} train_time:{training_time_ms:.0f}ms steps:{step}")
     return 0
+
+
+class PendingReductions:
+    """Asynchronous gradient all-reduces, one per parameter; wait(p) blocks until p's gradient is averaged."""
+
+    def __init__(self, works, world_size, average_after):
+        self.works, self.world_size, self.average_after = works, world_size, average_after
+
+    def wait(self, p):
+        work = self.works.pop(p, None)
+        if work is not None:
+            work.wait()
+            if self.average_after:
+                p.grad.div_(self.world_size)
+
+
+def reduce_gradients(params, world_size) -> PendingReductions:
+    """Starts averaging every gradient over the ranks, in the given order, without waiting. NCCL averages
+    natively; gloo sums and the average follows the wait. Why not DDP's hooks during the backward pass: the
+    compiled backward is one graph that hands over every gradient at its end, so they would start at the
+    same moment as these; DDP gets a real overlap by splitting that graph at every bucket, which would cut
+    FlexAttention's block masks across graphs."""
+    if world_size == 1:
+        return PendingReductions({}, 1, False)
+    nccl = dist.get_backend() == "nccl"
+    op = dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM
+    return PendingReductions({p: dist.all_reduce(p.grad, op=op, async_op=True) for p in params}, world_size, not nccl)
 
 
 def clone_state(state):
