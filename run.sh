@@ -6,9 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 
-if ! "$PYTHON" -c "import torch, numpy, tiktoken, huggingface_hub" 2>/dev/null; then
-    echo "run.sh: installing requirements.txt"
-    "$PYTHON" -m pip install -q -r requirements.txt
+# never install or replace torch here: a GPU machine's own CUDA build must stay
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    echo "run.sh: torch is not installed for $PYTHON; install the build for this machine (pytorch.org/get-started; e.g. pip install 'torch>=2.9'), then rerun" >&2
+    exit 1
+fi
+if ! "$PYTHON" -c "import numpy, tiktoken, huggingface_hub" 2>/dev/null; then
+    echo "run.sh: installing numpy, tiktoken, huggingface_hub"
+    "$PYTHON" -m pip install -q numpy tiktoken huggingface_hub
 fi
 
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")

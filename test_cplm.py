@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -411,6 +412,75 @@ def test_cplm_adds_only_the_cp_head_and_stop_grad_cuts_its_gradient():
     torch.testing.assert_close(model.blocks[0].mlp.c_fc.weight.grad, grads[1])
 
 
+def test_fp8_head_matches_bf16_values_and_gradients():
+    """The FP8 LM-head matmul (the record's scales) against the same product in float32: values and both
+    gradients within FP8's precision (e4m3 operands: 3 mantissa bits; e5m2 gradient: 2)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(1024, 64, generator=g) * 0.02).requires_grad_()
+    grad_out = torch.randn(512, 1024, generator=g).bfloat16() * 1e-4  # the scale of a mean-loss gradient
+    out = tg.fp8_matmul(x, w, 2.0, 2.0 ** 9, 2.0 ** 19)[0]
+    out.backward(grad_out)
+    x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().requires_grad_()
+    ref = x_ref @ w_ref.t()
+    ref.backward(grad_out.float())
+
+    def rel(a, b):
+        return ((a.float() - b).norm() / b.norm()).item()
+
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    assert rel(out, ref) < 0.05 and rel(x.grad, x_ref.grad) < 0.1 and rel(w.grad, w_ref.grad) < 0.1
+    # the module uses it only while training; evaluation is the bf16/fp32 product
+    head = tg.CastedLinear(64, 1024, fp8_scales=(2.0, 2.0 ** 9, 2.0 ** 19))
+    with torch.no_grad():
+        head.weight.copy_(w)
+    assert rel(head(x.detach()[None]), ref[None].detach()) < 0.05
+    head.eval()
+    torch.testing.assert_close(head(x.detach()), F.linear(x.detach(), w.detach().bfloat16()))
+
+
+@pytest.mark.parametrize("cplm", [0, 1])
+def test_cuda_path_traces_as_one_graph(cplm, monkeypatch):
+    """The GPU code path (FlexAttention masks and CP sums, FP8 head, bf16 activations) traced on CPU under
+    torch.compile(fullgraph=True): three training steps at three window sizes reuse one graph (the window
+    is a tensor), gradients are finite, and evaluation adds exactly one graph (eval mode, longer rows).
+    FlexAttention refuses a backward on CPU; lifting its device check runs its math path instead."""
+    import torch.nn.attention.flex_attention as flex_module
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=2, max_seq_len=512,
+                       no_attention_layer=2, fp8_head=1, cplm=cplm)
+    model = tg.GPT(cfg)
+    model.attention_backend = model.cp_backend = "flex"
+    for m in model.modules():  # as on CUDA: bf16 embeddings make the activations bf16
+        if isinstance(m, torch.nn.Embedding):
+            m.bfloat16()
+    from torch._dynamo.testing import CompileCounterWithBackend
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=counter)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)  # steps, so zero-initialised layers pass gradients on
+    rows = torch.tensor(toy_corpus(3 * 385, 5)).view(3, 385)
+    for step, window in enumerate((1, 2, 3)):
+        loss = compiled(rows[step:step + 1, :-1], rows[step:step + 1, 1:], torch.tensor(window, dtype=torch.int32))
+        loss.backward()
+        assert torch.isfinite(loss) and loss.dtype == torch.float32
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+        assert model.lm_head.weight.grad.abs().sum() > 0
+        assert step < 2 or model.blocks[0].attn.qkv_w.grad.abs().sum() > 0  # once c_proj has moved
+        opt.step()
+        model.zero_grad(set_to_none=True)
+    assert counter.frame_count == 1  # one graph for every window size: no recompile
+    model.eval()
+    val = torch.tensor(toy_corpus(513, 6))[None]
+    with torch.no_grad():
+        stats = compiled(val[:, :-1], val[:, 1:], torch.tensor(4, dtype=torch.int32), token_stats=True)
+    assert torch.isfinite(stats["nll"]).all() and stats["nll"].shape == (1, 512)
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------------------------------
 # optimizers and schedules
 
@@ -504,6 +574,19 @@ def test_resume_continues_the_same_loss_curve(toy_data, tmp_path):
                                log_values(tmp_path / "full.txt", "train_loss")[3:], rtol=1e-6)
     np.testing.assert_allclose(log_values(tmp_path / "resumed.txt", "val_loss")[-1],
                                log_values(tmp_path / "full.txt", "val_loss")[-1], rtol=1e-6)
+
+
+def test_warmup_is_untimed_and_leaves_training_unchanged(toy_data, tmp_path):
+    """Warm-up steps and the warm-up validation (they compile the kernels) are undone: the same losses as
+    a run without them, and the log says it happened."""
+    flags = dict(num_iterations=4, val_loss_every=2, cplm=1)
+    cold = run_cli(tiny_flags(toy_data, tmp_path, run_id="cold", warmup_steps=0, **flags))
+    warm = run_cli(tiny_flags(toy_data, tmp_path, run_id="warm", warmup_steps=2, **flags))
+    assert cold.returncode == 0 and warm.returncode == 0, warm.stderr[-2000:]
+    for kind in ("train_loss", "val_loss"):
+        np.testing.assert_allclose(log_values(tmp_path / "warm.txt", kind), log_values(tmp_path / "cold.txt", kind),
+                                   rtol=1e-6)
+    assert "warm-up done: 2 steps" in (tmp_path / "warm.txt").read_text()
 
 
 def test_nan_loss_stops_with_a_message(toy_data, tmp_path):
@@ -1245,19 +1328,340 @@ def test_spamlang_gate_init_is_recorded(tmp_path):
     assert c0 == pytest.approx(1 / 640, abs=1e-4)
 
 
+def test_gpu_cp_check_runs_and_passes_on_cpu(monkeypatch, capsys):
+    """records/gpu/cuda_cp_check.py, the GPU session's reference check, run here at a small size with
+    FlexAttention's math path (its CPU device check lifted), so a rare GPU session gets a working script."""
+    import torch.nn.attention.flex_attention as flex_module
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+    check = _load(Path(ROOT) / "records" / "gpu" / "cuda_cp_check.py", "cuda_cp_check")
+    torch._dynamo.reset()
+    assert check.main("cpu", T=512, compile_backend="aot_eager") == 0
+    out = capsys.readouterr().out
+    assert "cuda cp check: PASS" in out and out.count(" ok") == 6
+
+
 def test_gpu_report_summarises_two_logs(tmp_path):
-    """records/gpu/gpu_report.py (run on the GPU machine) on two synthetic speedrun logs."""
-    base = dict(model_dim=768, num_layers=12, vocab_size=50257, cp_dim=64, batch_size=524288, num_iterations=40)
+    """records/gpu/gpu_report.py (run on the GPU machine) on two synthetic logs in the GPU format (step lines
+    without a train loss), recompiles counted apart before and after the warm-up marker."""
+    base = dict(model_dim=768, num_layers=12, vocab_size=50257, cp_dim=64, batch_size=49152, num_iterations=40,
+                no_attention_layer=7)
     for mode, ms in ((0, 100), (1, 103)):
-        trains = [(s, 5.0, s * ms) for s in range(1, 41)]
         log = write_log(tmp_path / f"gpu_cplm{mode}.txt", f"m{mode}", dict(base, cplm=mode),
                         [(0, 10.8, 0), (40, 4.0 + mode * 0.1, 40 * ms)])
         log.write_text(log.read_text().replace("step_avg:nanms\n", "step_avg:nanms\n" + "".join(
-            f"step:{s}/40 train_loss:5.0 train_time:{t}ms step_avg:1.0ms\n" for s, _, t in trains)))
-    (tmp_path / "stdout_cplm1.txt").write_text("Recompiling function forward\n")
+            f"step:{s}/40 train_time:{s * ms}ms step_avg:1.0ms\n" for s in range(1, 41))))
+        (tmp_path / f"stdout_cplm{mode}.txt").write_text(
+            "Recompiling function forward\n" * 2 + "warm-up done: ...\n" + "Recompiling function forward\n" * mode)
+    (tmp_path / "cuda_cp_check.txt").write_text("...\ncuda cp check: PASS\n")
     r = subprocess.run([sys.executable, str(Path(ROOT) / "records" / "gpu" / "gpu_report.py"), str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "cplm/vanilla step time ratio: 1.030"
-    assert re.search(r"cplm\s+40\s+103\.0ms\s+5,090,175\s+", r.stdout)
-    assert re.search(r"^\s+cplm .* 1$", r.stdout, re.M)  # one recompilation counted
+    assert "CP reference check: cuda cp check: PASS" in r.stdout
+    # 12 layers x 8 D^2 (MLP) + 11 x 4 D^2 (attention; none in layer 7) + the 768 x 50304 head + W_Q, W_K
+    weights = 12 * 8 * 768 ** 2 + 11 * 4 * 768 ** 2 + 768 * 50304 + 2 * 768 * 64
+    tokens_per_s = 49152 / 0.103
+    mfu = 100 * 6 * weights * tokens_per_s / 790e12
+    assert re.search(rf"cplm\s+40\s+103\.00ms\s+{tokens_per_s:,.0f}\s+{mfu:.1f}%", r.stdout)
+    assert re.search(r"^\s+vanilla .* 2 / 0$", r.stdout, re.M) and re.search(r"^\s+cplm .* 2 / 1$", r.stdout, re.M)
+
+
+# ----------------------------------------------------------------------------------------------------
+# bad input to the entry points other than the training script: one line, exit 2 (usage) or 1 (data)
+
+
+COMPARE = Path(ROOT) / "records" / "compare.py"
+PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10"  # the first bytes of a PNG image
+ELF = b"\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00>\x00"  # ... and of a Linux executable
+
+
+def _run_tool(args, cwd=None, env=None):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def assert_one_line(stderr, *words):
+    """The rule for bad input: exactly one line on stderr, no traceback, saying what was found."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def _text_files(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "a.txt").write_text("first document\n")
+    (folder / "b.txt").write_text("second document\n")
+    return [folder / "a.txt", folder / "b.txt"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# every entry point: a bad flag is one line and exit 2
+
+
+@pytest.mark.parametrize("script,args", [
+    (TOKENIZE, ["--out_dir", "o", "--name", "n"]),             # no input
+    (TOKENIZE, ["x.txt", "--out_dir", "o", "--name", "n", "--seed", "one"]),
+    (DOWNLOAD, ["two"]),
+    (COMPARE, []),                                             # no log given
+    (COMPARE, ["logs/*.txt", "--target", "abc"]),
+])
+def test_stdlib_tools_usage_errors_are_one_line(tmp_path, script, args):
+    r = _run_tool([script, *args], cwd=tmp_path)
+    assert r.returncode == 2
+    assert_one_line(r.stderr, "error:", "--help")
+    assert not list(tmp_path.iterdir()), "nothing written"
+
+
+# ----------------------------------------------------------------------------------------------------
+# data/tokenize_corpus.py
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_file"])
+def test_tokenize_unwritable_out_dir_is_one_line_exit_1(tmp_path, where):
+    inputs = _text_files(tmp_path / "in")
+    (tmp_path / "plain").write_text("a regular file")
+    out = tmp_path / "plain" / "shards" if where == "under_a_file" else tmp_path / "plain"
+    r = _run_tool([TOKENIZE, *inputs, "--encoding", "bytes", "--out_dir", out, "--name", "t"])
+    assert r.returncode == 1
+    assert_one_line(r.stderr, "--out_dir", str(out))
+    assert (tmp_path / "plain").read_text() == "a regular file"
+
+
+def test_tokenize_removes_temporary_files_of_a_killed_run(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    # what a killed run leaves: a shard written under its temporary name, never renamed
+    killed = tc._SplitWriter(out, "t", "train", 4, 257)
+    killed.add(np.arange(6, dtype=np.uint32))
+    stale = killed.written[0][0]
+    assert stale.exists() and stale.name.startswith(".t_train_000000.bin.tmp")
+    other = out / ".other_train_000000.bin.tmp1"  # another corpus's: not ours to remove
+    other.write_bytes(b"x")
+    assert tc.main([*map(str, _text_files(tmp_path / "in")), "--encoding", "bytes", "--out_dir", str(out),
+                    "--name", "t"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "interrupted run" in line]
+    assert len(said) == 1 and stale.name in said[0]
+    assert not stale.exists() and other.exists()
+    assert sorted(p.name for p in out.iterdir()) == [other.name, "t_train_000000.bin", "t_val_000000.bin"]
+
+
+def test_tokenize_skips_binary_files(tmp_path, capsys):
+    folder = tmp_path / "tree"
+    _text_files(folder)
+    (folder / "logo.txt").write_bytes(PNG + b"\x00" * 64)  # matches --glob, but is an image
+    elf = tmp_path / "prog"
+    elf.write_bytes(ELF + b"text after the header")  # named explicitly
+    out = tmp_path / "out"
+    assert tc.main([str(folder), str(elf), "--encoding", "bytes", "--out_dir", str(out), "--name", "t"]) == 0
+    notices = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipping binary file")]
+    assert len(notices) == 2 and "logo.txt" in notices[0] and str(elf) in notices[1]
+    tokens = np.concatenate([tc.read_shard(p)[1] for p in sorted(out.glob("t_*.bin"))])
+    assert (tokens == 256).sum() == 2 and 0 not in tokens  # the two text documents, and no NUL byte
+
+
+def test_tokenize_only_binary_inputs_is_one_line_exit_1(tmp_path):
+    (tmp_path / "a.png").write_bytes(PNG)
+    (tmp_path / "b.bin").write_bytes(ELF)
+    out = tmp_path / "out"
+    r = _run_tool([TOKENIZE, tmp_path / "a.png", tmp_path / "b.bin", "--encoding", "bytes", "--out_dir", out, "--name", "t"])
+    assert r.returncode == 1
+    assert_one_line(r.stderr, "binary")
+    assert not out.exists() or not any(out.iterdir()), "nothing written"
+
+
+# ----------------------------------------------------------------------------------------------------
+# data/cached_fineweb10B.py
+
+
+def test_download_docstring_and_help_agree_with_the_code(capsys):
+    default = dl.parse_args([]).num_train
+    usage = re.search(r"cached_fineweb10B\.py +# val shard \+ first (\d+) train shards", dl.__doc__)
+    assert usage and int(usage.group(1)) == default
+    hp = tg.Hyperparameters()  # the speedrun preset
+    tokens = hp.num_iterations * hp.batch_size + 1  # the loader reads one token past each batch
+    need = math.ceil(tokens / 100_000_000)
+    assert default >= need
+    assert f"{need} train shards the speedrun reads" in dl.__doc__
+    with pytest.raises(SystemExit):
+        dl.parse_args(["--help"])
+    assert f"{hp.num_iterations} x {hp.batch_size:,} tokens = {tokens / 1e8:.1f} shards" in \
+        " ".join(capsys.readouterr().out.split())
+
+
+def test_download_dir_under_a_file_is_one_line_exit_1(tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    def must_not_download(**kwargs):
+        raise AssertionError("downloaded into an impossible folder")
+    monkeypatch.setattr(dl, "_hub_unreachable", lambda endpoint: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", must_not_download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    (tmp_path / "plain").write_text("a regular file")
+    target = tmp_path / "plain" / "fw"
+    assert dl.download(1, local_dir=target, out=lambda *a: None) == 1
+    assert_one_line(capsys.readouterr().err, str(target), "--dir")
+
+
+# ----------------------------------------------------------------------------------------------------
+# run.sh, requirements.txt and CI
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# records its command line; `-c CODE` fails when CODE names a module listed in FAKE_MISSING
+echo "$*" >> "$FAKE_LOG"
+if [ "$1" = "-c" ]; then
+    for m in $FAKE_MISSING; do case "$2" in *"$m"*) exit 1;; esac; done
+    case "$2" in *device_count*) echo 0;; esac
+fi
+exit 0
+"""
+
+
+def _run_sh(tmp_path, missing):
+    shutil.copy(Path(ROOT) / "run.sh", tmp_path / "run.sh")
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "calls.txt"
+    r = subprocess.run(["bash", str(tmp_path / "run.sh"), "--cplm", "1"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "FAKE_MISSING": missing})
+    return r, log.read_text().splitlines() if log.exists() else []
+
+
+def test_run_sh_without_torch_says_how_to_install_it(tmp_path):
+    r, calls = _run_sh(tmp_path, "torch")
+    assert r.returncode == 1
+    assert_one_line(r.stderr, "torch", "pip install")
+    assert not any("pip" in c for c in calls), "run.sh must never install torch (a GPU machine's CUDA build)"
+
+
+def test_run_sh_installs_other_packages_but_not_torch(tmp_path):
+    r, calls = _run_sh(tmp_path, "tiktoken")
+    assert r.returncode == 0, r.stderr
+    pip = [c for c in calls if c.startswith("-m pip")]
+    assert len(pip) == 1 and "tiktoken" in pip[0] and "torch" not in pip[0] and "requirements" not in pip[0]
+    assert calls[-1] == "train_gpt_cplm.py --preset cpu --cplm 1"  # the rest of run.sh is unchanged
+
+
+def test_requirements_state_the_need_and_ci_pins_the_cpu_build():
+    def requirements(path):
+        return [l.split("#")[0].strip() for l in path.read_text().splitlines() if l.split("#")[0].strip()]
+    assert requirements(Path(ROOT) / "requirements.txt") == ["torch>=2.9", "numpy", "tiktoken", "huggingface_hub", "pytest"]
+    assert requirements(Path(ROOT) / ".ci" / "constraints.txt") == ["torch==2.13.0"]
+    ci = (Path(ROOT) / ".ci" / "run").read_text().strip().splitlines()
+    install = [l for l in ci if "pip install" in l]
+    assert len(install) == 1 and "-r requirements.txt" in install[0] and "-c .ci/constraints.txt" in install[0]
+    assert ci[-1] == "python3 -m pytest -q test_cplm.py"
+
+
+# ----------------------------------------------------------------------------------------------------
+# records/compare.py
+
+
+def _log(path, train_lines):
+    hp = {"cplm": 1, "seed": 0, "num_iterations": 4}
+    lines = ["print('source')", "=" * 100, "run_id: r", "hyperparameters: " + json.dumps(hp),
+             "step:0/4 val_loss:10.8000 train_time:0ms step_avg:nanms", *train_lines,
+             "step:4/4 val_loss:3.2000 train_time:400ms step_avg:100.00ms"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_compare_parses_train_lines_with_and_without_loss(tmp_path):
+    gpu = compare.parse_log(_log(tmp_path / "gpu.txt", [f"step:{s}/4 train_time:{100 * s}ms step_avg:100.00ms"
+                                                      for s in range(1, 5)]))
+    assert [(t["step"], t["loss"], t["time_ms"]) for t in gpu["train"]] == [(s, None, 100 * s) for s in range(1, 5)]
+    assert gpu["diagnostics"] == []  # a timing line is not a diagnostic
+    cpu = compare.parse_log(_log(tmp_path / "cpu.txt", [f"step:{s}/4 train_loss:{5 - s}.5000 train_time:{100 * s}ms "
+                                                      f"step_avg:100.00ms" for s in range(1, 5)]))
+    assert [(t["step"], t["loss"], t["time_ms"]) for t in cpu["train"]] == [(s, 5 - s + 0.5, 100 * s)
+                                                                           for s in range(1, 5)]
+    assert compare.summarize_run(gpu, 3.28)["train_time_ms"] == 400
+
+
+def test_compare_bad_target_and_unwritable_plot_are_one_line(tmp_path, monkeypatch, capsys):
+    log = _log(tmp_path / "run.txt", [])
+    for target in ("nan", "inf"):
+        assert compare.main([str(log), "--target", target]) == 2
+        assert_one_line(capsys.readouterr().err, "--target")
+
+    def cannot_write(groups, target, out_path):
+        raise FileNotFoundError(2, "No such file or directory", out_path)
+    monkeypatch.setattr(compare, "_import_pyplot", lambda: None)  # matplotlib or not
+    monkeypatch.setattr(compare, "plot_groups", cannot_write)
+    assert compare.main([str(log), "--plot", str(tmp_path / "no" / "such" / "dir.png")]) == 1
+    assert_one_line(capsys.readouterr().err, "dir.png")
+
+
+# ----------------------------------------------------------------------------------------------------
+# experiments/*.py
+
+
+def _experiment(name):
+    return _load(Path(ROOT) / "experiments" / f"{name}.py", f"tools_{name}")
+
+
+@pytest.mark.parametrize("argv,code,words", [
+    ([], 2, ["what"]),
+    (["memory", "--lengths", "4k"], 2, ["--lengths"]),
+    (["step_time", "--steps", "0"], 2, ["--steps"]),
+    (["step_time", "--", "--cplm", "7"], 2, ["--cplm"]),  # a bad flag of the training script
+    (["step_time", "--", "--train_files", "nowhere/none_*.bin"], 1, ["nowhere/none_*.bin"]),  # missing data
+])
+def test_cp_cost_bad_input_is_one_line(argv, code, words, capsys):
+    cp_cost = _experiment("cp_cost")
+    try:
+        rc = cp_cost.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == code
+    assert_one_line(capsys.readouterr().err, *words)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--only", "full_cplm,nope"], ["nope"]),
+    (["--study", "gate", "--only", "full_cplm"], ["full_cplm"]),
+    (["--jobs", "0"], ["--jobs"]),
+    (["--seeds", "0,one"], ["--seeds"]),
+    (["--study", "nope"], ["--study"]),
+])
+def test_race_checks_its_flags_before_building_corpora(argv, words, monkeypatch, capsys):
+    race = _experiment("race")
+    monkeypatch.setattr(race, "ensure_corpora", lambda: pytest.fail("corpora built before the flags were checked"))
+    with pytest.raises(SystemExit) as e:
+        race.main(argv)
+    assert e.value.code == 2
+    assert_one_line(capsys.readouterr().err, *words)
+
+
+def test_race_stops_when_the_tokenizer_fails(tmp_path, monkeypatch, capfd):
+    race = _experiment("race")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tokenize_corpus.py").write_text(
+        "import sys\nprint('error: could not load the GPT-2 tokenizer', file=sys.stderr)\nsys.exit(1)\n")
+    monkeypatch.setattr(race, "ROOT", str(tmp_path))
+    monkeypatch.setattr(race, "summarize", lambda *a: pytest.fail("the race went on without its corpus"))
+    assert race.main(["--only", "full_cplm", "--seeds", "0"]) == 1
+    assert_one_line(capfd.readouterr().err, "GPT-2 tokenizer")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--vocabs", "8k"], ["--vocabs", "8k"]),
+    (["--seeds", "0,x"], ["--seeds"]),
+    (["--modes", "cplm,other"], ["--modes"]),
+])
+def test_spamlang_bad_flags_are_one_line(argv, words, capsys):
+    spamlang = _experiment("spamlang")
+    with pytest.raises(SystemExit) as e:
+        spamlang.parse_args(argv)
+    assert e.value.code == 2
+    assert_one_line(capsys.readouterr().err, *words)
+
+
+def test_spamlang_out_under_a_file_is_one_line_exit_1(tmp_path, capsys):
+    spamlang = _experiment("spamlang")
+    (tmp_path / "plain").write_text("a regular file")
+    out = tmp_path / "plain" / "results"
+    assert spamlang.main(["--vocabs", "512", "--steps", "1", "--out", str(out)]) == 1
+    assert_one_line(capsys.readouterr().err, "--out", str(out))

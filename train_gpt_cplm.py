@@ -287,7 +287,7 @@ def _quantize(t, scale, dtype):
     if t.device.type != "cuda":
         return _to_fp8(t, scale, dtype)
     if _to_fp8_fused is None:
-        _to_fp8_fused = torch.compile(_to_fp8)
+        _to_fp8_fused = torch.compile(_to_fp8, dynamic=False)  # a graph per call site: x, w, grad
     return _to_fp8_fused(t, scale, dtype)
 
 
@@ -615,9 +615,8 @@ class GPT(nn.Module):
         copyable = None  # vanilla training never needs it: no sort on that hot path
         if self.cp_head is not None or token_stats:
             copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
-        if self.cp_head is None:  # the record's loss: cross-entropy over every slot of the soft-capped logits
-            z = soft_cap(head_out, cap)
-            nll = F.cross_entropy(z.flatten(0, -2), target_ids.flatten(), reduction="none" if token_stats else "mean")
+        if self.cp_head is None:
+            nll = vanilla_nll(head_out, target_ids, cap, reduction="none" if token_stats else "mean")
             stats = {"nll": nll.view_as(target_ids) if token_stats else nll}
         else:
             q, k, sink_key = self.cp_head(h.detach() if self.config.cp_stop_grad else h)
@@ -749,12 +748,16 @@ def soft_cap(u, cap):
     return 2 * cap * torch.sigmoid(u.float() / (cap / 2)) if cap > 0 else u.float()
 
 
+def vanilla_nll(head_out, target_ids, softcap, reduction="mean"):
+    """The record's loss: cross-entropy over every slot of the soft-capped logits."""
+    return F.cross_entropy(soft_cap(head_out, softcap).flatten(0, -2), target_ids.flatten(), reduction=reduction)
+
+
 def lm_head_terms(head_out, target_ids, copy_id, softcap=0.0):
     """(B, T) each: the logsumexp of the soft-capped logits without <copy>, the <copy> logit, the target's.
     Written so torch.compile fuses every (N, V) step into the reductions: the two single logits are read
     from head_out (a select and a masked sum, whose gradients are elementwise) and soft-capped afterwards,
-    so neither the forward nor the backward keeps an (N, V) float32 tensor (measured: experiments/cp_cost.py
-    lm_head_memory)."""
+    so neither the forward nor the backward keeps an (N, V) float32 tensor (measured: experiments/lm_head_memory.py)."""
     slot = torch.arange(head_out.size(-1), device=head_out.device)
     z = soft_cap(head_out, softcap)
     lse_without_copy = torch.where(slot == copy_id, float("-inf"), z).logsumexp(-1)
@@ -1094,16 +1097,20 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         model.zero_grad(set_to_none=True)
         return loss_sum
 
-    # untimed warm-up (compiles the kernels), then everything is reset to its initial state
+    # untimed warm-up: compiles the training and evaluation graphs, then everything is reset to its initial
+    # state (so no kernel compiles while the clock runs; the record instead restarts its clock at step 10)
     if a.warmup_steps > 0 and not a.resume:
         initial = dict(model={k: v.clone() for k, v in model.state_dict().items()},
                        optimizers=[clone_state(o.state_dict()) for o in optimizers])
         for step in range(a.warmup_steps):
             train_step(step)
+        evaluate(compiled, val_tokens[:a.val_seq_len + 1], dataclasses.replace(a, val_tokens=a.val_seq_len),
+                 window_tensor(0), 0, 1, device)
         model.load_state_dict(initial["model"])
         for opt, state in zip(optimizers, initial["optimizers"]):
             opt.load_state_dict(state)
         loader.set_state({"file_index": 0, "position": 0})
+        log(f"warm-up done: {a.warmup_steps} steps and one validation row, untimed; model and optimizers reset")
 
     start_step, training_time_ms = 0, 0.0
     if a.resume:

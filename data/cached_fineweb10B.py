@@ -1,8 +1,11 @@
 """Download the GPT-2-tokenized FineWeb shards used by the speedrun.
 
-    python data/cached_fineweb10B.py          # val shard + first 8 train shards (~1.8 GB)
-    python data/cached_fineweb10B.py 9        # val shard + first 9 train shards
-    python data/cached_fineweb10B.py 9 --edu  # the same from FineWeb-Edu
+    python data/cached_fineweb10B.py          # val shard + first 10 train shards (~2.2 GB)
+    python data/cached_fineweb10B.py 7        # val shard + the 7 train shards the speedrun reads
+    python data/cached_fineweb10B.py 7 --edu  # the same from FineWeb-Edu
+
+The speedrun preset reads 1770 steps x 393,216 tokens = 696M train tokens, i.e. 7 shards; the default
+of 10 leaves room for longer runs.
 
 Each shard holds 100M tokens (about 200 MB): a 256 x int32 header (magic 20240520, version 1,
 token count) followed by uint16 GPT-2 token ids, every document starting with token 50256.
@@ -10,8 +13,8 @@ Files land next to this script, in data/fineweb10B/ (or data/finewebedu10B/ with
 the current directory. Files already there are kept. Regenerating these tokens from raw FineWeb
 takes about an hour; downloading them takes a minute or two.
 
-Exit codes: 0 done, 1 download failed (no network, hub error, or a broken local file),
-2 bad command line.
+Exit codes: 0 done, 1 download failed (no network, hub error, a broken local file, or a --dir that
+cannot be created), 2 bad command line.
 """
 
 import argparse
@@ -114,7 +117,12 @@ def download(num_train, edu=False, local_dir=None, out=print):
         return 1
 
     created_dir = not local_dir.exists()
-    local_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        local_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. a file where the folder should be
+        print(f"error: cannot create {local_dir} ({type(e).__name__}: {e.strerror}); "
+              f"choose another folder with --dir", file=sys.stderr)
+        return 1
     for name in todo:
         try:
             # hf_hub_download writes to a temporary .incomplete file and renames it when complete.
@@ -136,10 +144,16 @@ def download(num_train, edu=False, local_dir=None, out=print):
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Download GPT-2-tokenized FineWeb(-Edu) shards from the Hugging Face hub.")
+    p = OneLineParser(description="Download GPT-2-tokenized FineWeb(-Edu) shards from the Hugging Face hub.")
     p.add_argument("num_train", nargs="?", type=int, default=10,
-                   help="number of 100M-token train shards to fetch, starting at 1 (default 10: the speedrun preset reads 1770 x 512Ki tokens = 9.3 shards)")
+                   help="number of 100M-token train shards to fetch, starting at 1 (default 10: the speedrun preset "
+                        "reads 1770 x 393,216 tokens = 7.0 shards)")
     p.add_argument("--edu", action="store_true", help="fetch FineWeb-Edu (kjj0/finewebedu10B-gpt2) instead of FineWeb")
     p.add_argument("--dir", default=None,
                    help="download into this folder instead of data/fineweb10B (data/finewebedu10B with --edu)")

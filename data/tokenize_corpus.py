@@ -8,7 +8,9 @@ Inputs are files or folders. Folders are walked recursively in sorted order (hid
 keeping files that match --glob. A .jsonl/.json file holds one JSON document per line (text in
 --text_field); any other file is one document. --stdlib adds every *.py file of this Python's standard
 library (site-packages excluded). Files are read as UTF-8, undecodable bytes replaced. Documents that
-are empty or whitespace only are skipped.
+are empty or whitespace only are skipped. A binary file (a NUL byte in its first 8 KiB, as git and grep
+decide; e.g. images, executables, UTF-16 text) is skipped with a one-line notice, whether it was named
+or found in a folder; if every input file is binary, nothing is written (exit 1).
 
 Every document is written as [BOS] + tokens, BOS being the tokenizer's end-of-text token (50256 for
 GPT-2), so documents start with BOS as in the FineWeb shards. Text is encoded with encode_ordinary:
@@ -21,13 +23,17 @@ cut every --shard_tokens tokens (documents may span two shards). Shard = 256 int
 header (magic 20240520, version, token count, vocabulary size), then the tokens: version 1 = uint16
 (vocabulary <= 65536), version 2 = uint32. Files are written under temporary names and renamed only
 when everything succeeded; older {name}_{val,train}_*.bin files in --out_dir not rewritten this run
-are removed so that a loader globbing them sees one corpus.
+are removed so that a loader globbing them sees one corpus. Temporary files that a killed run left in
+--out_dir for the same --name are removed (and reported) when the next run starts, so do not run two
+tokenizers on the same --out_dir and --name at once.
 
-Exit codes: 0 done, 1 tokenizer could not be loaded, 2 bad input or command line.
+Exit codes: 0 done, 1 tokenizer could not be loaded, every input binary, or --out_dir not writable,
+2 bad input or command line.
 """
 
 import argparse
 import fnmatch
+import glob
 import hashlib
 import json
 import os
@@ -43,14 +49,27 @@ HEADER_INTS = 256
 DEFAULT_GLOB = "*.py,*.txt,*.md,*.rst"
 JSON_SUFFIXES = (".jsonl", ".json")
 BATCH_CHARS = 4_000_000  # text handed to the tokenizer at once (bounded memory, enough work for threads)
+BINARY_SNIFF_BYTES = 8192  # a NUL byte this early means binary (git's and grep's rule)
 
 
 class InputError(Exception):
     """Bad input (missing path, unreadable JSON line, no documents): one-line message, exit 2."""
+    exit_code = 2
 
 
 class TokenizerUnavailable(Exception):
     """The tokenizer could not be loaded (typically: GPT-2 BPE files not cached, no internet): exit 1."""
+    exit_code = 1
+
+
+class NoTextError(Exception):
+    """Every input file is binary: exit 1."""
+    exit_code = 1
+
+
+class OutputError(Exception):
+    """--out_dir cannot be created or written (under a file, read-only, disk full): exit 1."""
+    exit_code = 1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -196,9 +215,27 @@ def collect_files(inputs, patterns, stdlib=False):
     return files
 
 
-def iter_documents(files, text_field="text"):
-    """Yield the non-empty documents of `files` in order, as str."""
+def is_binary(path):
+    """Whether the file looks binary: a NUL byte in its first BINARY_SNIFF_BYTES bytes."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(BINARY_SNIFF_BYTES)
+
+
+def iter_documents(files, text_field="text", warn=None):
+    """Yield the non-empty documents of `files` in order, as str. Binary files are skipped with a notice
+    through `warn` (default: print, with the run's other progress lines; stderr is kept for the error);
+    NoTextError at the end if every file was binary."""
+    warn = warn or print
+    binary = 0
     for path in files:
+        try:
+            skip = is_binary(path)
+        except OSError as e:  # e.g. a dangling symlink found in a folder
+            raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+        if skip:
+            warn(f"skipping binary file {path} (a NUL byte in its first {BINARY_SNIFF_BYTES} bytes)")
+            binary += 1
+            continue
         if path.suffix.lower() in JSON_SUFFIXES:
             with open(path, encoding="utf-8", errors="replace") as f:
                 for lineno, line in enumerate(f, 1):
@@ -221,6 +258,9 @@ def iter_documents(files, text_field="text"):
                 text = f.read()
             if text.strip():
                 yield text
+    if files and binary == len(files):
+        raise NoTextError(f"every input file is binary ({binary} file(s), e.g. {files[0]}): nothing to tokenize; "
+                          f"give text files (plain text, or JSON lines with a {text_field!r} field)")
 
 
 def is_val(seed, index, val_fraction):
@@ -276,8 +316,20 @@ class _SplitWriter:
         final = self.out_dir / f"{self.name}_{self.split}_{len(self.written):06d}.bin"
         tmp = self.out_dir / f".{final.name}.tmp{os.getpid()}"
         self.written.append((tmp, final, tokens.size, None))
-        version = write_shard(tmp, tokens, self.vocab_size)
+        try:
+            version = write_shard(tmp, tokens, self.vocab_size)
+        except OSError as e:
+            raise _output_error(self.out_dir, e) from None
         self.written[-1] = (tmp, final, tokens.size, version)
+
+
+def _output_error(out_dir, e):
+    if isinstance(e, (NotADirectoryError, FileExistsError)):  # mkdir's words for "a file is in the way"
+        why = "a file stands where a folder of that path should be"
+    else:
+        why = (e.strerror or str(e)) + (f" ({e.filename})" if e.filename and str(e.filename) != str(out_dir) else "")
+    return OutputError(f"cannot write to --out_dir {out_dir}: {why}; choose a folder you can write to, "
+                       f"with room for the shards")
 
 
 def tokenize_corpus(docs, enc, out_dir, name, val_fraction=0.05, seed=0, shard_tokens=100_000_000,
@@ -296,7 +348,17 @@ def tokenize_corpus(docs, enc, out_dir, name, val_fraction=0.05, seed=0, shard_t
         raise InputError(f"--max_tokens must be >= 2 (got {max_tokens})")
     num_threads = num_threads or os.cpu_count() or 1
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # a killed run leaves its temporary shards behind (see _SplitWriter._write); nothing else removes them
+        leftovers = sorted(p for s in ("val", "train") for p in out_dir.glob(f".{glob.escape(name)}_{s}_*.bin.tmp*"))
+        for p in leftovers:
+            p.unlink()
+    except OSError as e:
+        raise _output_error(out_dir, e) from None
+    if leftovers:
+        more = f" and {len(leftovers) - 1} more" if len(leftovers) > 1 else ""
+        log(f"removed temporary file(s) left by an interrupted run: {leftovers[0]}{more}")
     vocab = enc.n_vocab
     writers = {s: _SplitWriter(out_dir, name, s, shard_tokens, vocab) for s in ("val", "train")}
     t0 = time.perf_counter()
@@ -330,13 +392,16 @@ def tokenize_corpus(docs, enc, out_dir, name, val_fraction=0.05, seed=0, shard_t
             w.close()
         # everything is on disk under temporary names: move into place, then drop stale shards
         finals = set()
-        for w in writers.values():
-            for tmp, final, _, _ in w.written:
-                os.replace(tmp, final)
-                finals.add(final.name)
-        stale = sorted(p for s in ("val", "train") for p in out_dir.glob(f"{name}_{s}_*.bin") if p.name not in finals)
-        for p in stale:
-            p.unlink()
+        try:
+            for w in writers.values():
+                for tmp, final, _, _ in w.written:
+                    os.replace(tmp, final)
+                    finals.add(final.name)
+            stale = sorted(p for s in ("val", "train") for p in out_dir.glob(f"{name}_{s}_*.bin") if p.name not in finals)
+            for p in stale:
+                p.unlink()
+        except OSError as e:
+            raise _output_error(out_dir, e) from None
     finally:
         for w in writers.values():
             for tmp, _, _, _ in w.written:
@@ -364,9 +429,15 @@ def tokenize_corpus(docs, enc, out_dir, name, val_fraction=0.05, seed=0, shard_t
 # ----------------------------------------------------------------------------------------------------
 # command line
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Tokenize text files into speedrun token shards.")
-    p.add_argument("inputs", nargs="*", help="files or folders (.jsonl/.json: one document per line)")
+    p = OneLineParser(description="Tokenize text files into speedrun token shards.")
+    p.add_argument("inputs", nargs="*",
+                   help="files or folders (.jsonl/.json: one document per line; binary files are skipped)")
     p.add_argument("--stdlib", action="store_true", help="add the Python standard library's *.py files")
     p.add_argument("--out_dir", required=True, help="folder for the shards (created if needed)")
     p.add_argument("--name", required=True, help="file prefix: {name}_val_000000.bin, {name}_train_000000.bin, ...")
@@ -399,12 +470,9 @@ def main(argv=None):
         tokenize_corpus(iter_documents(files, args.text_field), enc, args.out_dir, args.name,
                         val_fraction=args.val_fraction, seed=args.seed, shard_tokens=args.shard_tokens,
                         max_tokens=args.max_tokens, num_threads=args.threads)
-    except InputError as e:
+    except (InputError, TokenizerUnavailable, NoTextError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TokenizerUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     return 0
 
 

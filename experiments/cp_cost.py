@@ -26,9 +26,9 @@ import train_gpt_cplm as tg  # noqa: E402
 
 
 def step_time(args):
-    tg.use_heap_for_large_tensors()  # as train_gpt_cplm.main does on CPU
     hp = tg.parse_args(["--preset", "cpu"] + args.extra)
     loader = tg.TrainLoader(hp.train_files, hp.batch_size, hp.seq_len, 0, 1, hp.vocab_size)
+    tg.use_heap_for_large_tensors()  # as train_gpt_cplm.main does on CPU; after the checks, as it is process-wide
     models, optimizers = {}, {}
     for mode in (0, 1):
         torch.manual_seed(hp.seed)
@@ -103,7 +103,7 @@ def measure_one(impl, T):
 
 def memory(args):
     rows = []
-    for T in [int(x) for x in args.lengths.split(",")]:
+    for T in args.lengths:
         for impl in ("chunked", "naive"):
             out = subprocess.run([sys.executable, __file__, "_measure", impl, str(T)], capture_output=True, text=True)
             if out.returncode != 0:
@@ -117,11 +117,13 @@ def memory(args):
               f"{c['seconds']:>10.2f} {n['seconds']:>8.2f}")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "_measure":
-        measure_one(sys.argv[2], int(sys.argv[3]))
-        sys.exit(0)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def main(argv=None):
+    parser = OneLineParser(prog="cp_cost.py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("step_time")
     p.add_argument("--steps", type=int, default=20)
@@ -129,5 +131,30 @@ if __name__ == "__main__":
     p = sub.add_parser("memory")
     p.add_argument("--lengths", default="4096,16384")
     sub.add_parser("parameters")
-    args = parser.parse_args()
-    {"step_time": step_time, "memory": memory, "parameters": parameters}[args.what](args)
+    args = parser.parse_args(argv)
+    if args.what == "step_time" and args.steps < 1:
+        parser.error(f"--steps must be >= 1 (got {args.steps})")
+    if args.what == "memory":
+        raw = args.lengths
+        try:
+            args.lengths = [int(x) for x in raw.split(",")]
+        except ValueError:
+            args.lengths = []
+        if not args.lengths or min(args.lengths) < 1:
+            parser.error(f"--lengths must be positive integers separated by commas (got {raw!r})")
+    try:
+        {"step_time": step_time, "memory": memory, "parameters": parameters}[args.what](args)
+    except tg.UsageError as e:  # a bad train_gpt_cplm flag after --
+        print(f"cp_cost.py: error: {e} (see python train_gpt_cplm.py --help)", file=sys.stderr)
+        return 2
+    except tg.DataError as e:  # e.g. the cpu preset's corpus not built yet
+        print(f"cp_cost.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "_measure":
+        measure_one(sys.argv[2], int(sys.argv[3]))
+        sys.exit(0)
+    sys.exit(main())

@@ -45,34 +45,54 @@ RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens
 
 
 def ensure_corpora():
+    """Builds the missing corpora; returns the tokenizer's exit code (it has said what went wrong) or 0."""
     if not os.path.exists(os.path.join(ROOT, "data/pystdlib/pystdlib_val_000000.bin")):
-        subprocess.run([sys.executable, "data/tokenize_corpus.py", "--stdlib", "--out_dir", "data/pystdlib",
-                        "--name", "pystdlib"], cwd=ROOT, check=True)
+        rc = subprocess.run([sys.executable, "data/tokenize_corpus.py", "--stdlib", "--out_dir", "data/pystdlib",
+                             "--name", "pystdlib"], cwd=ROOT).returncode
+        if rc:
+            return rc
     if not os.path.exists(os.path.join(ROOT, "data/pystdlib_bytes/pystdlib_bytes_val_000000.bin")):
-        subprocess.run([sys.executable, "data/tokenize_corpus.py", "--stdlib", "--encoding", "bytes",
-                        "--out_dir", "data/pystdlib_bytes", "--name", "pystdlib_bytes"], cwd=ROOT, check=True)
+        return subprocess.run([sys.executable, "data/tokenize_corpus.py", "--stdlib", "--encoding", "bytes",
+                               "--out_dir", "data/pystdlib_bytes", "--name", "pystdlib_bytes"], cwd=ROOT).returncode
+    return 0
 
 
 def finished(log_path):
     return os.path.exists(log_path) and "\nfinal val_loss:" in open(log_path).read()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def main(argv=None):
+    p = OneLineParser(prog="race.py", description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--only", default="", help="comma list of configuration names")
     p.add_argument("--study", choices=["race", "gate"], default="race")
     p.add_argument("--out", default=None, help="default records/race or records/gate_init")
     p.add_argument("extra", nargs="*", help="more train_gpt_cplm flags for every run, after --")
-    args = p.parse_args()
-    ensure_corpora()
+    args = p.parse_args(argv)
     configs = CONFIGS if args.study == "race" else GATE_CONFIGS
     args.out = args.out or ("records/race" if args.study == "race" else "records/gate_init")
     log_dir = os.path.join(args.out, "logs")
     names = args.only.split(",") if args.only else list(configs)
     if args.study == "gate":
         args.seeds = "0"
+    # check the command line before the corpora are built (minutes) and runs started
+    unknown = [n for n in names if n not in configs]
+    if unknown:
+        p.error(f"--only: unknown configuration(s) {', '.join(unknown)} for --study {args.study}; "
+                f"choose from {', '.join(configs)}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1 (got {args.jobs})")
+    if not all(s.strip().isdigit() for s in args.seeds.split(",")):
+        p.error(f"--seeds must be integers separated by commas (got {args.seeds!r})")
+    rc = ensure_corpora()
+    if rc:
+        return rc
     queue = []
     for name in names:
         for seed in args.seeds.split(",")[:SEEDS_OF.get(name, 99)]:
@@ -94,6 +114,7 @@ def main():
             if proc.returncode:
                 print(f"run failed ({proc.returncode}): {' '.join(proc.args)}", flush=True)
     summarize(args.out, args.study)
+    return 0
 
 
 def summarize(out, study):
@@ -110,4 +131,4 @@ def summarize(out, study):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

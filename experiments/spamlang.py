@@ -303,8 +303,13 @@ def command_line(argv):
     return prefix + " ".join(["python", "experiments/spamlang.py", *argv])
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="spamlang.py", description=__doc__.split("\n")[0])
     p.add_argument("--task", default="both", choices=[*TASKS, "both"])
     p.add_argument("--vocabs", default=",".join(map(str, DEFAULT_VOCABS)))
     p.add_argument("--modes", default="vanilla,cplm", help="comma-separated: vanilla, cplm")
@@ -323,9 +328,12 @@ def parse_args(argv):
     p.add_argument("--out", default="records/spamlang")
     args = p.parse_args(argv)
     tasks = list(TASKS) if args.task == "both" else [args.task]
-    vocabs = [int(v) for v in args.vocabs.split(",") if v]
+    try:
+        vocabs = [int(v) for v in args.vocabs.split(",") if v]
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError as e:
+        p.error(f"--vocabs and --seeds take integers separated by commas ({e})")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    seeds = [int(s) for s in args.seeds.split(",") if s]
     if any(v < 2 for v in vocabs) or not vocabs:
         p.error("--vocabs: sizes of at least 2")
     if not set(modes) <= {"vanilla", "cplm"} or not modes:
@@ -342,8 +350,13 @@ def parse_args(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args, tasks, vocabs, modes, seeds = parse_args(argv)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:  # e.g. a file where the folder should be
+        print(f"spamlang.py: error: cannot create --out {args.out} ({e.strerror}); choose another folder",
+              file=sys.stderr)
+        return 1
     tg.use_heap_for_large_tensors()
-    os.makedirs(args.out, exist_ok=True)
     command = command_line(argv)
     optim = {k: getattr(args, k) for k in OPTIM}
     eval_every = args.eval_every

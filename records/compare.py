@@ -8,7 +8,7 @@ match the log format are used:
     run_id: <id>
     hyperparameters: {...one-line JSON...}
     step:S/N val_loss:X train_time:Tms ...
-    step:S/N train_loss:X train_time:Tms ...
+    step:S/N [train_loss:X ]train_time:Tms ...  (train_loss only every --train_loss_every steps)
     step:S/N copy_share:... lambda:...        (optional diagnostics)
     stopped: <reason>                          (optional)
     peak memory allocated: M MiB ...
@@ -46,8 +46,8 @@ RE_RUN_ID = re.compile(r"^run_id: (\S+)\s*$")
 RE_VAL = re.compile(
     r"^step:(\d+)/(\d+) val_loss:(" + _FLOAT + r") train_time:(\d+)ms", re.IGNORECASE
 )
-RE_TRAIN = re.compile(
-    r"^step:(\d+)/(\d+) train_loss:(" + _FLOAT + r") train_time:(\d+)ms", re.IGNORECASE
+RE_TRAIN = re.compile(  # train_loss is optional: a step without --train_loss_every logs only its time
+    r"^step:(\d+)/(\d+) (?:train_loss:(" + _FLOAT + r") )?train_time:(\d+)ms", re.IGNORECASE
 )
 RE_STEP_KV = re.compile(r"^step:(\d+)/(\d+) ((?:[A-Za-z_]\w*:\S+)(?: [A-Za-z_]\w*:\S+)*)\s*$")
 RE_STOPPED = re.compile(r"^stopped:(.*)$")
@@ -73,7 +73,7 @@ def parse_log(path):
     """Parse one log file.
 
     Returns a dict with keys: path, run_id, hyperparameters (dict), val (list
-    of {step, total, loss, time_ms}), train (same with train loss),
+    of {step, total, loss, time_ms}), train (same with train loss, None where not logged),
     diagnostics (list of {step, ...floats}), stopped (str or None),
     peak_mem_mib, reserved_mem_mib.  Raises LogError if the file cannot be
     read or has no val_loss lines.
@@ -116,7 +116,7 @@ def parse_log(path):
         m = RE_TRAIN.match(line)
         if m:
             train.append(dict(step=int(m.group(1)), total=int(m.group(2)),
-                              loss=_to_float(m.group(3)), time_ms=int(m.group(4))))
+                              loss=_to_float(m.group(3)) if m.group(3) else None, time_ms=int(m.group(4))))
             continue
         m = RE_STEP_KV.match(line)
         if m:
@@ -635,8 +635,13 @@ def expand_paths(patterns):
     return out
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser():
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="compare.py",
         description="Compare training runs from their log files (grouped by configuration).")
     ap.add_argument("logs", nargs="+", help="log files, directories or glob patterns")
@@ -656,13 +661,15 @@ def build_parser():
     return ap
 
 
-def _error(msg):
+def _error(msg, code=2):
     print(f"compare.py: error: {msg}", file=sys.stderr)
-    return 2
+    return code
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if not math.isfinite(args.target):
+        return _error(f"--target must be a finite loss, not {args.target}")
     paths = expand_paths(args.logs)
     if not paths:
         return _error("no log files matched: " + " ".join(args.logs))
@@ -690,7 +697,10 @@ def main(argv=None):
     if args.plot:
         groups = group_runs(logs, group_by=_split_keys(args.group_by),
                             ignore=_split_keys(args.ignore))
-        plot_groups(groups, result["target"], args.plot)
+        try:
+            plot_groups(groups, result["target"], args.plot)
+        except OSError as e:
+            return _error(f"cannot write the plot {args.plot}: {e.strerror or e}", code=1)
         result["plot"] = args.plot
     if args.json:
         print(to_json(result))
