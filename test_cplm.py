@@ -91,9 +91,30 @@ def test_loader_reads_independently_written_shards(tmp_path):
         assert all(torch.equal(y[0, :-1], x[0, 1:]) and y[0, -1] == x[0, -1] + 1 for x, y in first)
         for _ in range(2):
             loader.next_batch("cpu")
-        # the fourth batch does not fit in shard 0 (2000 tokens): it starts shard 1
-        x, _ = loader.next_batch("cpu")[0]
-        assert x[0, 0].item() == 2000 + 128 * rank
+        # the shards are one stream: the fourth batch's last row runs from shard 0 into shard 1
+        rows = loader.next_batch("cpu")
+        for (x, y), start in zip(rows, (1536 + 128 * rank, 1536 + 128 * (rank + 2))):
+            assert x[0].tolist() == list(range(start, start + 128)) and y[0, -1] == start + 128
+        loader.next_batch("cpu")  # tokens 2048..2560
+        assert loader.next_batch("cpu")[0][0][0, 0] == 128 * rank  # 2560 + 513 > 3000: it starts over
+
+
+def test_loader_takes_shards_of_any_size_and_checks_them_all_first(tmp_path):
+    """A remainder shard smaller than one batch is read through; a bad id or a truncated shard anywhere in
+    the list stops the loader before the first step, naming the shard."""
+    write_shard(tmp_path / "s_train_000000.bin", range(1000))
+    write_shard(tmp_path / "s_train_000001.bin", range(1000, 1100))  # a remainder: less than a batch
+    loader = tg.TrainLoader(str(tmp_path / "s_train_*.bin"), 512, 256, 0, 1, 2000)
+    seen = [x[0, 0].item() for _ in range(4) for x, _ in loader.next_batch("cpu")]
+    assert seen == [0, 256, 512, 768, 0, 256, 512, 768]  # 1100 tokens hold 2 steps; then it starts over
+    with pytest.raises(tg.DataError, match="one step needs 2049"):
+        tg.TrainLoader(str(tmp_path / "s_train_*.bin"), 2048, 256, 0, 1, 2000)
+    write_shard(tmp_path / "s_train_000002.bin", [5, 60000, 7])
+    with pytest.raises(tg.DataError, match=r"s_train_000002.bin: holds token id 60000, but --vocab_size is 2000"):
+        tg.TrainLoader(str(tmp_path / "s_train_*.bin"), 512, 256, 0, 1, 2000)
+    write_shard(tmp_path / "s_train_000002.bin", range(50), truncate=4)
+    with pytest.raises(tg.DataError, match="s_train_000002.bin: truncated"):
+        tg.TrainLoader(str(tmp_path / "s_train_*.bin"), 512, 256, 0, 1, 2000)
 
 
 def test_loader_rejects_bad_shards(tmp_path):
@@ -412,6 +433,29 @@ def test_cplm_adds_only_the_cp_head_and_stop_grad_cuts_its_gradient():
     torch.testing.assert_close(model.blocks[0].mlp.c_fc.weight.grad, grads[1])
 
 
+def test_speedrun_preset_is_the_record(monkeypatch):
+    """The 2025-01-26 record's shapes and settings, counted independently from its source: 4 embedding tables
+    of 50257 x 768, a 50304 x 768 head, 12 MLPs, attention in every layer but 7, long windows in layers
+    0, 4, 7, 11; 8 x 48Ki tokens a step, 1770 steps, val on 10,485,760 tokens in 4 x 64Ki-token rows."""
+    monkeypatch.setattr(tg, "header_vocab_size", lambda patterns: 0)  # FineWeb's shards state no vocabulary
+    a = tg.resolve_vocabulary(tg.parse_args(["--preset", "speedrun"]))
+    assert (a.vocab_size, a.bos_id) == (50257, 50256)  # so GPT-2's
+    assert (a.batch_size, a.seq_len, a.val_seq_len, a.val_tokens) == (8 * 48 * 1024, 48 * 1024, 4 * 64 * 1024, 10485760)
+    assert (a.num_iterations, a.cooldown_frac, a.val_loss_every, a.logit_softcap) == (1770, 0.4, 125, 15.0)
+    assert (a.lr_embed, a.lr_head, a.lr_scalar, a.lr_muon, a.muon_momentum) == (0.6, 0.008, 0.04, 0.05, 0.95)
+    with torch.device("meta"):
+        model = tg.GPT(tg.GPTConfig.from_args(a, fp8_head=1))
+    mlp, attention = 2 * 768 * 3072 + 2, 3 * 768 * 768 + 768 * 768 + 2  # + each module's two mixing scalars
+    record = 4 * 50257 * 768 + 50304 * 768 + 12 * mlp + 11 * attention + 6  # + 6 U-net skip weights
+    assert sum(p.numel() for p in model.parameters()) == record
+    assert [i for i, b in enumerate(model.blocks) if b.attn is None] == [7]
+    assert [i for i, long in enumerate(model.long_window) if long] == [0, 4, 7, 11]
+    assert model.lm_head.fp8_scales == (2.0, 2.0 ** 9, 2.0 ** 19)
+    adam, muon = tg.build_optimizers(model, a, 0, 1)
+    assert [g["lr"] for g in adam.param_groups] == [0.008, 0.6, 0.04] and adam.defaults["betas"] == (0.8, 0.95)
+    assert adam.defaults["eps"] == 1e-10 and sum(len(g["params"]) for g in muon.param_groups) == 12 * 2 + 11 * 2
+
+
 def test_fp8_head_matches_bf16_values_and_gradients():
     """The FP8 LM-head matmul (the record's scales) against the same product in float32: values and both
     gradients within FP8's precision (e4m3 operands: 3 mantissa bits; e5m2 gradient: 2)."""
@@ -543,6 +587,99 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     assert r.stderr.count("\n") == 1 and message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--num_heads", "0"], "--num_heads must be >= 1"),
+    (["--num_heads", "-2"], "--num_heads must be >= 1"),
+    (["--model_dim", "0"], "--model_dim >= --num_heads"),
+    (["--run_id", "a/b"], "must be a plain name"),
+    (["--lr_head", "-0.1"], "--lr_head -0.1"),
+    (["--lr_muon", "inf"], "--lr_muon inf"),
+    (["--cp_stop_grad", "7"], "must be 0 or 1"),
+    (["--val_loss_every", "-5"], "--val_loss_every -5"),
+    (["--checkpoint_every", "-1"], "--checkpoint_every -1"),
+    (["--keep_checkpoints", "0"], "--keep_checkpoints must be >= 1"),
+    (["--vocab_size", "-3"], "--vocab_size must be >= 0"),
+])
+def test_bad_values_are_usage_errors(args, message):
+    with pytest.raises(tg.UsageError, match=re.escape(message)):
+        tg.parse_args(args)
+
+
+def test_help_describes_every_flag():
+    helps = {f.name: tg.FIELD_HELP.get(f.name, "") for f in tg.dataclasses.fields(tg.Hyperparameters)}
+    assert all(len(text) > 5 for text in helps.values()), [k for k, v in helps.items() if len(v) <= 5]
+
+
+def test_log_dir_and_run_id_problems_are_one_line(toy_data, tmp_path):
+    (tmp_path / "file").write_text("x")
+    r = run_cli(tiny_flags(toy_data, tmp_path / "file" / "logs"))  # a directory under a regular file
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot write there" in r.stderr
+    first = run_cli(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0))
+    assert first.returncode == 0
+    again = run_cli(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0))
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "run.txt exists" in again.stderr
+    assert len(re.findall("^final val_loss", (tmp_path / "run.txt").read_text(), re.M)) == 1  # the log is intact
+    assert run_cli(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0, overwrite=1)).returncode == 0
+
+
+def test_shard_problems_stop_before_the_model_in_one_line(tmp_path):
+    data = tmp_path / "d"
+    data.mkdir()
+    write_shard(data / "toy_train_000000.bin", toy_corpus(60_000, 0))
+    write_shard(data / "toy_train_000001.bin", toy_corpus(100, 1) + [BOS, 600, 3])  # an id past VOCAB = 500
+    write_shard(data / "toy_val_000000.bin", toy_corpus(20_000, 2))
+    r = run_cli(tiny_flags(data, tmp_path))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "toy_train_000001.bin: holds token id 600, but --vocab_size is 500" in r.stderr
+    assert not re.search("^parameters:", (tmp_path / "run.txt").read_text(), re.M)  # no model was built
+    # a byte-level corpus states its vocabulary: it sets vocab_size and bos_id, and a different flag is refused
+    for name, tokens in (("train", toy_corpus(8000, 0, vocab=200, bos=256)), ("val", toy_corpus(4000, 1, vocab=200, bos=256))):
+        write_shard(data / f"bytes_{name}_000000.bin", tokens, vocab=257)
+    flags = dict(train_files=f"{data}/bytes_train_*.bin", val_files=f"{data}/bytes_val_*.bin", num_iterations=1,
+                 val_loss_every=0, vocab_size=0, bos_id=-1)
+    r = run_cli(tiny_flags(data, tmp_path, run_id="bytes", **flags))
+    assert r.returncode == 0, r.stderr
+    hp = json.loads(re.search(r"^hyperparameters: (.*)$", (tmp_path / "bytes.txt").read_text(), re.M).group(1))
+    assert (hp["vocab_size"], hp["bos_id"]) == (257, 256)
+    r = run_cli(tiny_flags(data, tmp_path, run_id="bytes2", **{**flags, "vocab_size": 50257}))
+    assert r.returncode == 1 and "written for a vocabulary of 257 ids, --vocab_size is 50257" in r.stderr
+
+
+def test_resume_keeps_the_clock_applies_new_rates_and_refuses_what_does_not_fit(toy_data, tmp_path):
+    full = run_cli(tiny_flags(toy_data, tmp_path, run_id="full", val_loss_every=0, checkpoint_every=1,
+                              keep_checkpoints=2))
+    assert full.returncode == 0, full.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["state_step000005.pt", "state_step000006.pt"]
+    ckpt = tmp_path / "full" / "state_step000005.pt"
+    log = (tmp_path / "full.txt").read_text()
+    logged_ms = float(re.search(r"^step:5/6 train_loss:\S+ train_time:(\d+)ms", log, re.M).group(1))
+    saved_ms = torch.load(ckpt, weights_only=False)["training_time_ms"]
+    assert abs(saved_ms - logged_ms) < 200 and saved_ms > 0  # the clock at the checkpoint, not at the last val
+    # resumed under its own run_id: the log gets a "resumed" section, the clock goes on, new rates apply
+    (tmp_path / "full" / "state_step000009.pt.tmp").write_bytes(b"half a checkpoint")
+    resumed = run_cli(tiny_flags(toy_data, tmp_path, run_id="full", val_loss_every=0, resume=ckpt, lr_head=0.004))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    log = (tmp_path / "full.txt").read_text()
+    assert log.count("def main(argv=None)") == 1 and "resumed from" in log
+    assert "learning rates from the command line: --lr_head 0.008 -> 0.004" in log
+    assert "removed" in log and not (tmp_path / "full" / "state_step000009.pt.tmp").exists()
+    last_ms = float(re.findall(r"^step:6/6 train_loss:\S+ train_time:(\d+)ms", log, re.M)[-1])
+    assert last_ms > saved_ms
+    # past the end: nothing to do, nothing written
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="late", num_iterations=4, resume=ckpt))
+    assert r.returncode == 0 and "nothing to train: the checkpoint is at step 5" in r.stdout
+    assert not (tmp_path / "late").exists()
+    # unreadable and mismatched checkpoints: one line, exit 1
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "cut.pt").write_bytes(ckpt.read_bytes()[:5000])
+    for bad, message in ((tmp_path / "junk.pt", "not a readable checkpoint"), (tmp_path / "cut.pt", "not a readable checkpoint")):
+        r = run_cli(tiny_flags(toy_data, tmp_path, run_id="bad", resume=bad))
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="bad", resume=ckpt, model_dim=32, cplm=1))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "model_dim 64 -> 32" in r.stderr and "cplm 0 -> 1" in r.stderr
+
+
 def test_missing_data_names_the_download_command(tmp_path):
     r = run_cli(["--preset", "cpu", "--train_files", str(tmp_path / "none_*.bin"), "--log_dir", str(tmp_path)])
     assert r.returncode == 1 and r.stderr.count("\n") == 1
@@ -590,7 +727,7 @@ def test_warmup_is_untimed_and_leaves_training_unchanged(toy_data, tmp_path):
 
 
 def test_nan_loss_stops_with_a_message(toy_data, tmp_path):
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="nan", lr_embed="inf",
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="nan", lr_scalar="1e30", lr_muon="1e30",
                            num_iterations=20, val_loss_every=0))
     assert r.returncode == 1
     log = open(tmp_path / "nan.txt").read()

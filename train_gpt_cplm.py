@@ -45,22 +45,22 @@ class Hyperparameters:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of train shards
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of val shards
     val_tokens: int = 10485760  # the first val_tokens tokens of the val files are the validation set
-    vocab_size: int = 50257  # tokenizer ids; <copy> is id vocab_size; the head is padded to a multiple of 128
-    bos_id: int = 50256  # starts every document: attention and copying never cross it
+    vocab_size: int = 0  # tokenizer ids (<copy> is id vocab_size); 0: the shards' header, else GPT-2's 50257
+    bos_id: int = -1  # starts every document (attention and copying never cross it); -1: vocab_size - 1
     # batch: one optimizer step sees batch_size tokens = (batch_size // seq_len) rows of seq_len tokens,
     # split over ranks and, when there are fewer ranks than rows, over gradient-accumulation micro-steps
     batch_size: int = 8 * 48 * 1024  # tokens a step
     seq_len: int = 48 * 1024  # tokens in one packed row (one micro-step of one rank); multiple of 128
     val_seq_len: int = 4 * 64 * 1024  # tokens in one validation row
     # model
-    num_layers: int = 12
-    model_dim: int = 768
-    num_heads: int = 6
+    num_layers: int = 12  # transformer blocks
+    model_dim: int = 768  # width of the residual stream
+    num_heads: int = 6  # attention heads of model_dim / num_heads each
     no_attention_layer: int = 7  # this layer has an MLP only, as in the record (-1: attention everywhere)
     # sliding window: grows linearly over training from attn_window_start to attn_window tokens, rounded up
     # to whole 128-token blocks (at least one); "short" layers use half as many blocks as "long" ones
-    attn_window_start: int = 0
-    attn_window: int = 1728
+    attn_window_start: int = 0  # window (tokens) at step 0
+    attn_window: int = 1728  # window (tokens) at the last step
     logit_softcap: float = 15.0  # z = 2 cap sigmoid(2 u / cap), the record's shifted tanh soft-cap
     fp8_head: int = -1  # FP8 matmul in the LM head while training: 1 on, 0 off, -1 where the GPU has FP8
     # Copy-Paste head (see CopyPasteHead)
@@ -92,7 +92,9 @@ class Hyperparameters:
     dist_timeout_s: int = 900  # a collective that waits longer ends the job instead of hanging it
     checkpoint_every: int = 0  # > 0: save a checkpoint every this many steps
     save_checkpoint: int = 0  # 1: save one at the end
-    resume: str = ""  # path of a checkpoint to continue from
+    keep_checkpoints: int = 3  # checkpoints kept per run; older ones are deleted
+    resume: str = ""  # path of a checkpoint to continue from (its log, same run_id, gets a "resumed" section)
+    overwrite: int = 0  # 1: a fresh run may replace the log of an earlier run with the same run_id
 
 
 PRESETS = {
@@ -162,6 +164,7 @@ def check_args(a: Hyperparameters):
     need(a.val_seq_len > 0 and a.val_seq_len % 128 == 0, f"--val_seq_len must be a positive multiple of 128")
     need(a.batch_size > 0 and a.batch_size % a.seq_len == 0, "--batch_size must be a multiple of --seq_len")
     need(a.val_tokens > 0 and a.val_tokens % a.val_seq_len == 0, "--val_tokens must be a multiple of --val_seq_len")
+    need(a.num_heads >= 1 and a.model_dim >= a.num_heads, "--num_heads must be >= 1 and --model_dim >= --num_heads")
     need(a.model_dim % a.num_heads == 0 and (a.model_dim // a.num_heads) % 4 == 0,
          "--model_dim must be num_heads x head_dim with head_dim a multiple of 4")
     need(a.num_layers >= 1 and a.num_iterations >= 0, "--num_layers must be >= 1 and --num_iterations >= 0")
@@ -169,12 +172,25 @@ def check_args(a: Hyperparameters):
     need(a.no_attention_layer >= -1, "--no_attention_layer is a layer index, or -1 for none")
     need(a.fp8_head in (-1, 0, 1) and a.cp_backend in ("auto", "flex", "dense"),
          "--fp8_head must be -1, 0 or 1; --cp_backend auto, flex or dense")
-    need(0 <= a.bos_id < a.vocab_size, "--bos_id must be a token id below --vocab_size")
+    need(a.vocab_size >= 0 and (a.bos_id == -1 or 0 <= a.bos_id < (a.vocab_size or 2 ** 31)),
+         "--vocab_size must be >= 0 (0: from the shards) and --bos_id a token id below it (-1: the last id)")
     need(a.cp_dim > 0 and a.cp_optimizer in ("adam", "muon"), "--cp_dim must be > 0, --cp_optimizer adam|muon")
     need(0 <= a.copy_gate_init < 1, "--copy_gate_init is the gate's starting value: it must lie in [0, 1)")
     need(a.dist_timeout_s > 0 and a.train_loss_every >= 0, "--dist_timeout_s must be > 0, --train_loss_every >= 0")
     need(0 <= a.cooldown_frac <= 1, "--cooldown_frac must lie in [0, 1]")
     need(a.resume == "" or os.path.isfile(a.resume), f"--resume: no such checkpoint file: {a.resume}")
+    need(a.cp_stop_grad in (0, 1) and a.save_checkpoint in (0, 1) and a.overwrite in (0, 1) and a.compile in (-1, 0, 1),
+         "--cp_stop_grad, --save_checkpoint and --overwrite must be 0 or 1, --compile -1, 0 or 1")
+    lrs = {f: getattr(a, f) for f in ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")}
+    need(all(0 <= v < math.inf for v in lrs.values()), "learning rates must be finite and >= 0: " + ", ".join(
+        f"--{k} {v}" for k, v in lrs.items() if not 0 <= v < math.inf))
+    need(0 <= a.muon_momentum < 1 and a.muon_momentum_warmup_steps >= 0, "--muon_momentum must lie in [0, 1)")
+    intervals = ("val_loss_every", "train_loss_every", "checkpoint_every", "warmup_steps", "target_val_loss")
+    need(all(getattr(a, f) >= 0 for f in intervals), "must be >= 0: " + ", ".join(
+        f"--{f} {getattr(a, f)}" for f in intervals if getattr(a, f) < 0))
+    need(a.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1")
+    need(re.fullmatch(r"[\w.-]*", a.run_id) is not None and a.run_id not in (".", ".."),
+         f"--run_id {a.run_id!r} must be a plain name (letters, digits, '.', '_', '-'): it names files")
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -184,12 +200,15 @@ SHARD_MAGIC = 20240520
 SHARD_DTYPES = {1: np.uint16, 2: np.uint32}  # version -> token type
 
 
-def load_shard(path: str, vocab_size: int | None = None) -> np.ndarray:
-    """Memory-maps the tokens of one shard after checking its header against the file."""
-    size = os.path.getsize(path)
+def shard_header(path: str) -> tuple[np.dtype, int, int]:
+    """(token dtype, token count, vocabulary size or 0) of one shard, its header checked against the file."""
+    try:
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=256)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror})")
     if size < 1024:
         raise DataError(f"{path}: {size} bytes, too short for the 1024-byte shard header")
-    header = np.fromfile(path, dtype="<i4", count=256)
     if header[0] != SHARD_MAGIC:
         raise DataError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
     if header[1] not in SHARD_DTYPES:
@@ -198,9 +217,22 @@ def load_shard(path: str, vocab_size: int | None = None) -> np.ndarray:
     if size != 1024 + count * dtype.itemsize:
         raise DataError(f"{path}: truncated or padded: header says {count} tokens, "
                         f"the file holds {(size - 1024) / dtype.itemsize:.0f}")
-    if vocab_size is not None and header[3] > vocab_size:
-        raise DataError(f"{path}: written for a vocabulary of {header[3]} ids; pass --vocab_size {header[3]}")
+    return dtype, count, int(header[3])
+
+
+def load_shard(path: str, vocab_size: int | None = None) -> np.ndarray:
+    """Memory-maps the tokens of one shard after checking its header against the file."""
+    dtype, count, header_vocab = shard_header(path)
+    if vocab_size is not None and header_vocab > vocab_size:
+        raise DataError(f"{path}: written for a vocabulary of {header_vocab} ids; pass --vocab_size {header_vocab}")
     return np.memmap(path, dtype=dtype, mode="r", offset=1024, shape=(count,))
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, where: str):
+    """Every id must index the embedding: one pass over the tokens, so a bad id fails here, not hours in."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise DataError(f"{where}: holds token id {int(tokens.max())}, but --vocab_size is {vocab_size} (ids "
+                        f"0..{vocab_size - 1}); pass the tokenizer's vocabulary size or rebuild the shards")
 
 
 def find_shards(pattern: str) -> list[str]:
@@ -211,34 +243,76 @@ def find_shards(pattern: str) -> list[str]:
     return files
 
 
+def header_vocab_size(patterns: list[str]) -> int:
+    """The vocabulary size the shards' headers state (0 where none does, as in the FineWeb shards); shards
+    that state different sizes are an error."""
+    sizes = {path: shard_header(path)[2] for pattern in patterns for path in find_shards(pattern)}
+    stated = {v for v in sizes.values() if v > 0}
+    if len(stated) > 1:
+        examples = ", ".join(f"{p}: {v}" for p, v in list(sizes.items()) if v > 0)
+        raise DataError(f"the shards state different vocabularies ({examples}): use shards of one tokenizer")
+    return stated.pop() if stated else 0
+
+
+GPT2_VOCAB_SIZE = 50257  # the FineWeb shards' tokenizer; their headers state no vocabulary
+
+
+def resolve_vocabulary(a: Hyperparameters) -> Hyperparameters:
+    """vocab_size from the shards' headers where they state one (a given --vocab_size must agree), else
+    GPT-2's; bos_id -1 becomes the last id (GPT-2's 50256, the byte tokenizer's 256)."""
+    stated = header_vocab_size([a.train_files, a.val_files])
+    if stated and a.vocab_size and a.vocab_size != stated:
+        raise DataError(f"the shards were written for a vocabulary of {stated} ids, --vocab_size is {a.vocab_size}: "
+                        f"drop --vocab_size or pass {stated}")
+    vocab_size = a.vocab_size or stated or GPT2_VOCAB_SIZE
+    bos_id = vocab_size - 1 if a.bos_id == -1 else a.bos_id
+    if bos_id >= vocab_size:
+        raise UsageError(f"--bos_id {bos_id} is not a token id of a {vocab_size}-id vocabulary")
+    return dataclasses.replace(a, vocab_size=vocab_size, bos_id=bos_id)
+
+
 class TrainLoader:
-    """Streams global batches through the shards in order. Step s reads the same batch_size + 1 tokens for
-    any world size; row i of the batch (seq_len + 1 tokens) goes to rank i % world_size, micro-step
-    i // world_size, so 1, 2, 4 or 8 ranks train on exactly the same data."""
+    """Reads the train shards as one stream of tokens, so their sizes do not matter; when what is left
+    cannot fill a step, it starts over. Step s reads the same batch_size + 1 tokens for any world size;
+    row i of the batch (seq_len + 1 tokens) goes to rank i % world_size, micro-step i // world_size, so 1,
+    2, 4 or 8 ranks train on exactly the same data. Every shard is checked when the loader is made."""
 
     def __init__(self, pattern, batch_size, seq_len, rank, world_size, vocab_size):
-        self.files, self.vocab_size = find_shards(pattern), vocab_size
+        self.files = find_shards(pattern)
+        self.shards = [load_shard(path, vocab_size) for path in self.files]
+        if vocab_size is not None:
+            for path, tokens in zip(self.files, self.shards):
+                check_token_range(tokens, vocab_size, path)
+        self.offsets = np.cumsum([0] + [len(s) for s in self.shards])  # where each shard starts in the stream
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
-        self.set_state({"file_index": 0, "position": 0})
+        if self.offsets[-1] < batch_size + 1:
+            raise DataError(f"{pattern}: {self.offsets[-1]} tokens in all, one step needs {batch_size + 1} "
+                            f"(--batch_size + 1)")
+        self.position = 0
 
     def state(self):
-        return {"file_index": self.file_index, "position": self.position}
+        return {"position": self.position}
 
     def set_state(self, state):
-        self.file_index, self.position = state["file_index"], state["position"]
-        self.tokens = load_shard(self.files[self.file_index], self.vocab_size)
+        self.position = int(state["position"])
+
+    def read(self, start, count) -> np.ndarray:
+        """Tokens [start, start + count) of the stream, across shard boundaries."""
+        pieces = []
+        while count > 0:
+            i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+            piece = self.shards[i][start - self.offsets[i]:start - self.offsets[i] + count]
+            pieces.append(piece)
+            start, count = start + len(piece), count - len(piece)
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
     def next_batch(self, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """[(inputs, targets)] for this rank's micro-steps, each (1, seq_len) int64."""
-        need = self.batch_size + 1
-        if len(self.tokens) < need:
-            raise DataError(f"{self.files[self.file_index]}: {len(self.tokens)} tokens, a batch needs {need}")
-        if self.position + need > len(self.tokens):  # next shard; after the last one, start over
-            self.set_state({"file_index": (self.file_index + 1) % len(self.files), "position": 0})
+        if self.position + self.batch_size + 1 > self.offsets[-1]:  # the stream is used up: start over
+            self.position = 0
         micro = []
         for i in range(self.rank, self.batch_size // self.seq_len, self.world_size):  # this rank's rows only
-            start = self.position + i * self.seq_len
-            row = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+            row = torch.from_numpy(self.read(self.position + i * self.seq_len, self.seq_len + 1).astype(np.int64))
             if torch.device(device).type == "cuda":  # from pinned memory the copy is asynchronous: no GPU wait
                 row = row.pin_memory()
             row = row.to(device, non_blocking=True)
@@ -248,10 +322,14 @@ class TrainLoader:
 
 
 def load_val_tokens(pattern: str, num_tokens: int, vocab_size: int) -> torch.Tensor:
-    """The first num_tokens + 1 tokens of the val shards (inputs and their shifted targets)."""
+    """The first num_tokens + 1 tokens of the val shards (inputs and their shifted targets); every val
+    shard's header is checked, and the ids of the tokens used."""
+    shards = [(path, load_shard(path, vocab_size)) for path in find_shards(pattern)]
     parts, have = [], 0
-    for path in find_shards(pattern):
-        parts.append(load_shard(path, vocab_size)[:num_tokens + 1 - have])
+    for path, tokens in shards:
+        parts.append(tokens[:num_tokens + 1 - have])
+        if vocab_size is not None:
+            check_token_range(parts[-1], vocab_size, path)
         have += len(parts[-1])
         if have == num_tokens + 1:
             return torch.from_numpy(np.concatenate(parts).astype(np.int64))
@@ -520,9 +598,9 @@ class CopyPasteHead(nn.Module):
 class GPTConfig:
     vocab_size: int = 50257
     bos_id: int = 50256
-    num_layers: int = 12
-    model_dim: int = 768
-    num_heads: int = 6
+    num_layers: int = 12  # transformer blocks
+    model_dim: int = 768  # width of the residual stream
+    num_heads: int = 6  # attention heads of model_dim / num_heads each
     no_attention_layer: int = 7
     max_seq_len: int = 64 * 1024
     logit_softcap: float = 15.0
@@ -907,14 +985,15 @@ def window_blocks(step, a: Hyperparameters):
 
 
 class Logger:
-    """Rank 0 writes logs/<run_id>.txt: the script's source, the environment, then the run's lines."""
+    """Rank 0 writes logs/<run_id>.txt: the script's source, the environment, then the run's lines. A resumed
+    run appends a "resumed" section to its run's log instead of starting a new one."""
 
     def __init__(self, a: Hyperparameters, master: bool):
-        self.path = os.path.join(a.log_dir, f"{a.run_id}.txt") if master else None
+        self.path = log_path(a) if master else None
         if self.path:
-            os.makedirs(a.log_dir, exist_ok=True)
-            with open(self.path, "w") as f:
-                f.write(open(__file__).read() + "\n" + "=" * 100 + "\n")
+            resuming = a.resume and os.path.exists(self.path)
+            with open(self.path, "a" if resuming else "w") as f:
+                f.write("=" * 100 + f"\nresumed from {a.resume}\n" if resuming else open(__file__).read() + "\n" + "=" * 100 + "\n")
 
     def __call__(self, line, console=True):
         if self.path:
@@ -922,6 +1001,25 @@ class Logger:
                 print(line, flush=True)
             with open(self.path, "a") as f:
                 f.write(line + "\n")
+
+
+def log_path(a: Hyperparameters):
+    return os.path.join(a.log_dir, f"{a.run_id}.txt")
+
+
+def check_log_target(a: Hyperparameters):
+    """Before anything starts: the log directory is writable, and a fresh run does not overwrite another
+    run's log unless asked."""
+    try:
+        os.makedirs(a.log_dir, exist_ok=True)
+        with open(os.path.join(a.log_dir, f".{a.run_id}.probe"), "w"):
+            pass
+        os.remove(os.path.join(a.log_dir, f".{a.run_id}.probe"))
+    except OSError as e:
+        raise UsageError(f"--log_dir {a.log_dir}: cannot write there ({e.strerror})")
+    if os.path.exists(log_path(a)) and not a.resume and not a.overwrite:
+        raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume, "
+                         "or replace it with --overwrite 1")
 
 
 def environment_lines(device, world_size):
@@ -967,13 +1065,36 @@ def evaluate(model, val_tokens, a: Hyperparameters, window_blocks, rank, world_s
     return out
 
 
+SHAPE_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "no_attention_layer", "cplm", "cp_dim",
+                "cp_optimizer")  # a checkpoint only fits a run that agrees on these
+
+
 def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a):
-    """Written to a temporary file and renamed, so a crash never leaves half a checkpoint."""
+    """Written to a temporary file and renamed, so a crash never leaves half a checkpoint; then only the
+    newest keep_checkpoints of the run stay."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
                  loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a))
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
+    for old in sorted(glob.glob(os.path.join(os.path.dirname(path), "state_step*.pt")))[:-a.keep_checkpoints]:
+        os.remove(old)
+
+
+def read_checkpoint(a: Hyperparameters, device):
+    """The checkpoint to resume from, refused in one line when it is unreadable or made by a run of another
+    shape or mode."""
+    try:
+        state = torch.load(a.resume, map_location=device, weights_only=False)
+        saved = state["hyperparameters"]
+        state["step"], state["model"], state["optimizers"], state["loader"], state["training_time_ms"]
+    except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
+        raise DataError(f"--resume {a.resume}: not a readable checkpoint of this script "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+    differ = [f"{f} {saved.get(f)!r} -> {getattr(a, f)!r}" for f in SHAPE_FIELDS if saved.get(f) != getattr(a, f)]
+    if differ:
+        raise DataError(f"--resume {a.resume}: the checkpoint's model differs from this run's: {', '.join(differ)}")
+    return state
 
 
 def use_heap_for_large_tensors():
@@ -1014,6 +1135,8 @@ def main(argv=None):
     if (a.batch_size // a.seq_len) % world_size:
         raise UsageError(f"--batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not divisible by "
                          f"{world_size} processes")
+    if rank == 0:
+        check_log_target(a)
     if distributed:  # a rank that stops answering ends the job after dist_timeout_s instead of hanging it
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None,
@@ -1034,12 +1157,20 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     for line in environment_lines(device, world_size):
         log(line, console=False)
     log(f"run_id: {a.run_id}")
-    log(f"hyperparameters: {json.dumps(dataclasses.asdict(a))}")
-
-    # data first: a missing shard fails before any model is built
+    # data first: every shard is checked (header, size, token ids) before any model is built
+    a = resolve_vocabulary(a)
     loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size)
     val_tokens = load_val_tokens(a.val_files, a.val_tokens, a.vocab_size)
     grad_accum = a.batch_size // a.seq_len // world_size
+    log(f"hyperparameters: {json.dumps(dataclasses.asdict(a))}")
+    checkpoint = read_checkpoint(a, device) if a.resume else None
+    if checkpoint is not None and checkpoint["step"] >= a.num_iterations:
+        log(f"nothing to train: the checkpoint is at step {checkpoint['step']}, --num_iterations is {a.num_iterations}")
+        return 0
+    if rank == 0:  # a kill during a save leaves a temporary file: the checkpoint it held never existed
+        for stale in glob.glob(os.path.join(a.log_dir, a.run_id, "state_step*.pt.tmp")):
+            os.remove(stale)
+            log(f"removed {stale}, left by a run killed while saving")
 
     fp8_head = a.fp8_head == 1 or (a.fp8_head == -1 and fp8_available(device))
     if a.fp8_head == -1 and device.type == "cuda" and not fp8_head:
@@ -1099,7 +1230,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
 
     # untimed warm-up: compiles the training and evaluation graphs, then everything is reset to its initial
     # state (so no kernel compiles while the clock runs; the record instead restarts its clock at step 10)
-    if a.warmup_steps > 0 and not a.resume:
+    if a.warmup_steps > 0:
         initial = dict(model={k: v.clone() for k, v in model.state_dict().items()},
                        optimizers=[clone_state(o.state_dict()) for o in optimizers])
         for step in range(a.warmup_steps):
@@ -1109,18 +1240,24 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         model.load_state_dict(initial["model"])
         for opt, state in zip(optimizers, initial["optimizers"]):
             opt.load_state_dict(state)
-        loader.set_state({"file_index": 0, "position": 0})
+        loader.set_state({"position": 0})
         log(f"warm-up done: {a.warmup_steps} steps and one validation row, untimed; model and optimizers reset")
 
     start_step, training_time_ms = 0, 0.0
-    if a.resume:
-        state = torch.load(a.resume, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
-        for opt, opt_state in zip(optimizers, state["optimizers"]):
-            opt.load_state_dict(opt_state)
-        loader.set_state(state["loader"])
-        start_step, training_time_ms = state["step"], state["training_time_ms"]
-        log(f"resumed from {a.resume} at step {start_step}")
+    if checkpoint is not None:  # the clock and the schedule continue where they stopped
+        model.load_state_dict(checkpoint["model"])
+        command_line_lrs = [[g["initial_lr"] for g in opt.param_groups] for opt in optimizers]
+        for opt, opt_state, lrs in zip(optimizers, checkpoint["optimizers"], command_line_lrs):
+            opt.load_state_dict(opt_state)  # this would bring back the checkpoint's learning rates...
+            for group, lr in zip(opt.param_groups, lrs):
+                group["initial_lr"] = lr  # ...but the command line's are the ones this run asked for
+        loader.set_state(checkpoint["loader"])
+        start_step, training_time_ms = checkpoint["step"], checkpoint["training_time_ms"]
+        saved = checkpoint["hyperparameters"]
+        changed = [f"--{f} {saved.get(f)} -> {getattr(a, f)}" for f in ("lr_embed", "lr_head", "lr_scalar", "lr_muon",
+                                                                        "lr_cp") if saved.get(f) != getattr(a, f)]
+        log(f"resumed from {a.resume} at step {start_step}, train_time {training_time_ms:.0f}ms"
+            + (f"; learning rates from the command line: {', '.join(changed)}" if changed else ""))
 
     def checkpoint_path(step):
         return os.path.join(a.log_dir, a.run_id, f"state_step{step:06d}.pt")
@@ -1154,8 +1291,11 @@ def train(a: Hyperparameters, log, rank, world_size, device):
             t0 = time.perf_counter()
         if rank == 0 and step > start_step and ((a.checkpoint_every > 0 and step % a.checkpoint_every == 0)
                                                 or (last and a.save_checkpoint)):
+            synchronize()
+            training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops while saving, and is saved
             save_checkpoint(checkpoint_path(step), model, optimizers, step, loader, training_time_ms, a)
             log(f"saved checkpoint {checkpoint_path(step)}")
+            t0 = time.perf_counter()
         if last:
             break
         train_loss = train_step(step)
