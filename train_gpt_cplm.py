@@ -353,31 +353,42 @@ def next_multiple(n, multiple):
 # so torch.compile treats it as one opaque kernel; its backward reuses the FP8 copies saved by the forward.
 
 
-def _to_fp8(t, scale, dtype):
-    return t.mul(scale).to(dtype)
+def _fp8_forward(x, w, x_scale, w_scale):
+    x8, w8 = x.mul(x_scale).to(torch.float8_e4m3fn), w.mul(w_scale).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x8, w8.t(), out_dtype=torch.bfloat16, use_fast_accum=True,
+                           scale_a=x.new_tensor(1 / x_scale, dtype=torch.float32),
+                           scale_b=x.new_tensor(1 / w_scale, dtype=torch.float32))
+    return out, x8, w8
 
 
-_to_fp8_fused = None  # on CUDA, a compiled _to_fp8 (scale and cast in one kernel)
+def _fp8_backward(grad, x8, w8, x_scale, w_scale, grad_scale):
+    g8 = grad.mul(grad_scale).to(torch.float8_e5m2)
+    s_x, s_w, s_g = (grad.new_tensor(1 / s, dtype=torch.float32) for s in (x_scale, w_scale, grad_scale))
+    # _scaled_mm wants its second operand column-major: .t().contiguous().t() lays it out so
+    grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), out_dtype=torch.bfloat16, scale_a=s_g, scale_b=s_w)
+    grad_w = torch._scaled_mm(x8.t().contiguous(), g8.t().contiguous().t(), out_dtype=torch.float32,
+                              scale_a=s_x, scale_b=s_g).t()
+    return grad_x, grad_w
 
 
-def _quantize(t, scale, dtype):
-    global _to_fp8_fused
-    if t.device.type != "cuda":
-        return _to_fp8(t, scale, dtype)
-    if _to_fp8_fused is None:
-        _to_fp8_fused = torch.compile(_to_fp8, dynamic=False)  # a graph per call site: x, w, grad
-    return _to_fp8_fused(t, scale, dtype)
+_compiled_fp8 = {}
+
+
+def _fp8_kernel(fn, device):
+    """On CUDA each body is compiled once, as in the record: the casts and transposes fuse, and the scales
+    become constants instead of host-to-device copies (which would make the host wait for the GPU)."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _compiled_fp8:
+        _compiled_fp8[fn] = torch.compile(fn, dynamic=False)
+    return _compiled_fp8[fn]
 
 
 @torch.library.custom_op("cplm::fp8_matmul", mutates_args=())
 def fp8_matmul(x: torch.Tensor, w: torch.Tensor, x_scale: float, w_scale: float,
                grad_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, in) @ w (out, in).T in FP8 -> bf16 (N, out); also returns the FP8 x and w for the backward."""
-    x8, w8 = _quantize(x, x_scale, torch.float8_e4m3fn), _quantize(w, w_scale, torch.float8_e4m3fn)
-    out = torch._scaled_mm(x8, w8.t(), out_dtype=torch.bfloat16, use_fast_accum=True,
-                           scale_a=x.new_tensor(1 / x_scale, dtype=torch.float32),
-                           scale_b=x.new_tensor(1 / w_scale, dtype=torch.float32))
-    return out, x8, w8
+    return _fp8_kernel(_fp8_forward, x.device)(x, w, x_scale, w_scale)
 
 
 @fp8_matmul.register_fake
@@ -389,19 +400,15 @@ def _(x, w, x_scale, w_scale, grad_scale):
 @torch.library.custom_op("cplm::fp8_matmul_backward", mutates_args=())
 def fp8_matmul_backward(grad: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, x_scale: float, w_scale: float,
                         grad_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_x bf16 (N, in), grad_w fp32 (out, in)) from the bf16 output gradient and the saved FP8 operands."""
-    g8 = _quantize(grad, grad_scale, torch.float8_e5m2)
-    s_x, s_w, s_g = (grad.new_tensor(1 / s, dtype=torch.float32) for s in (x_scale, w_scale, grad_scale))
-    # _scaled_mm wants its second operand column-major: .t().contiguous().t() lays it out so
-    grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), out_dtype=torch.bfloat16, scale_a=s_g, scale_b=s_w)
-    grad_w = torch._scaled_mm(x8.t().contiguous(), g8.t().contiguous().t(), out_dtype=torch.float32,
-                              scale_a=s_x, scale_b=s_g).t()
-    return grad_x, grad_w
+    """(grad_x bf16 (N, in), grad_w fp32 (out, in), column-major) from the bf16 output gradient and the saved
+    FP8 operands."""
+    return _fp8_kernel(_fp8_backward, grad.device)(grad, x8, w8, x_scale, w_scale, grad_scale)
 
 
 @fp8_matmul_backward.register_fake
 def _(grad, x8, w8, x_scale, w_scale, grad_scale):
-    return grad.new_empty(x8.shape, dtype=torch.bfloat16), grad.new_empty(w8.shape, dtype=torch.float32)
+    # the strides must be the real ones (grad_w is a transposed view): inductor asserts them
+    return grad.new_empty(x8.shape, dtype=torch.bfloat16), grad.new_empty(w8.shape[::-1], dtype=torch.float32).t()
 
 
 def _fp8_setup_context(ctx, inputs, output):
@@ -410,13 +417,13 @@ def _fp8_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _fp8_backward(ctx, grad_out, *_):
+def _fp8_autograd_backward(ctx, grad_out, *_):
     x8, w8 = ctx.saved_tensors
     grad_x, grad_w = fp8_matmul_backward(grad_out.contiguous(), x8, w8, *ctx.scales)
     return grad_x, grad_w, None, None, None
 
 
-fp8_matmul.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+fp8_matmul.register_autograd(_fp8_autograd_backward, setup_context=_fp8_setup_context)
 
 
 class CastedLinear(nn.Linear):
@@ -1127,6 +1134,7 @@ def main(argv=None):
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the record: less fragmentation
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        torch.empty(1, device=device, requires_grad=True).backward()  # as the record: avoids a bug on some systems
     else:
         device = torch.device("cpu")
         use_heap_for_large_tensors()
