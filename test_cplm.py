@@ -737,6 +737,41 @@ def test_two_processes_equal_one_with_accumulation_and_warmup_changes_nothing(to
     assert "warm-up done: 2 steps" in open(tmp_path / "one.txt").read()
 
 
+@pytest.mark.slow
+def test_a_stuck_rank_ends_the_job(toy_data, tmp_path):
+    """Stop (not kill) one of two ranks mid-run: after --dist_timeout_s the other rank's collective fails and
+    torchrun ends the job with a non-zero exit, instead of both waiting forever."""
+    import signal
+    import time
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
+           *tiny_flags(toy_data, tmp_path, run_id="stuck", num_iterations=100000, val_loss_every=0, dist_timeout_s=5)]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        log = tmp_path / "stuck.txt"
+        deadline = time.time() + 120
+        while not (log.exists() and "step:3/" in log.read_text()) and time.time() < deadline:
+            time.sleep(0.5)
+        ranks = {}
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and int(open(f"/proc/{pid}/stat").read().split(") ")[1].split()[1]) == job.pid:
+                    env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+                    ranks[env.get("RANK")] = int(pid)
+            except OSError:
+                continue
+        os.kill(ranks["1"], signal.SIGSTOP)
+        started = time.time()
+        assert job.wait(timeout=180) != 0
+        assert time.time() - started < 120
+        assert re.search(r"^stopped: .*", log.read_text(), re.M)  # rank 0's log says why
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the job has ended, as it should
+            pass
+
+
 def test_nan_loss_stops_with_a_message(toy_data, tmp_path):
     r = run_cli(tiny_flags(toy_data, tmp_path, run_id="nan", lr_scalar="1e30", lr_muon="1e30",
                            num_iterations=20, val_loss_every=0))
