@@ -629,6 +629,9 @@ class GPTConfig:
     @classmethod
     def from_args(cls, a: Hyperparameters, fp8_head=0):  # fp8_head: resolved for the device (0 or 1)
         kept = {f.name for f in dataclasses.fields(cls)}
+        if a.vocab_size <= 0 or a.bos_id < 0:
+            raise ValueError("vocab_size and bos_id are not resolved yet: pass the Hyperparameters through "
+                             "resolve_vocabulary(a) (it reads the shards' header)")
         given = {k: v for k, v in dataclasses.asdict(a).items() if k in kept}
         return cls(**{**given, "fp8_head": fp8_head}, max_seq_len=max(a.seq_len, a.val_seq_len))
 
@@ -999,8 +1002,9 @@ class Logger:
         self.path = log_path(a) if master else None
         if self.path:
             resuming = a.resume and os.path.exists(self.path)
+            header = f"resumed from {a.resume}" if resuming else open(__file__).read()
             with open(self.path, "a" if resuming else "w") as f:
-                f.write("=" * 100 + f"\nresumed from {a.resume}\n" if resuming else open(__file__).read() + "\n" + "=" * 100 + "\n")
+                f.write(("=" * 100 + "\n" + header + "\n") if resuming else (header + "\n" + "=" * 100 + "\n"))
 
     def __call__(self, line, console=True):
         if self.path:
@@ -1131,7 +1135,8 @@ def main(argv=None):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the record: less fragmentation
+        # as the record: less fragmentation (read when the allocator starts, which happens below)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.empty(1, device=device, requires_grad=True).backward()  # as the record: avoids a bug on some systems
@@ -1290,7 +1295,8 @@ def train(a: Hyperparameters, log, rank, world_size, device):
             log(f"step:{step}/{a.num_iterations} " + " ".join(f"{k}:{v:.4f}" for k, v in result.items()
                                                               if k != "val_loss"))
             if not math.isfinite(result["val_loss"]):
-                log(f"stopped: val_loss is {result['val_loss']} at step {step}; lower the learning rates or check the data")
+                log(f"stopped: val_loss is {result['val_loss']} at step {step}; "
+                    "lower the learning rates or check the data")
                 return 1
             if 0 < a.target_val_loss and result["val_loss"] <= a.target_val_loss:
                 log(f"target val_loss {a.target_val_loss} reached at step {step}")

@@ -26,7 +26,7 @@ import train_gpt_cplm as tg  # noqa: E402
 
 
 def step_time(args):
-    hp = tg.parse_args(["--preset", "cpu"] + args.extra)
+    hp = tg.resolve_vocabulary(tg.parse_args(["--preset", "cpu"] + args.extra))
     loader = tg.TrainLoader(hp.train_files, hp.batch_size, hp.seq_len, 0, 1, hp.vocab_size)
     tg.use_heap_for_large_tensors()  # as train_gpt_cplm.main does on CPU; after the checks, as it is process-wide
     models, optimizers = {}, {}
@@ -57,7 +57,8 @@ def step_time(args):
 
 def parameters(args):
     for preset in ("speedrun", "cpu"):
-        hp = tg.parse_args(["--preset", preset, "--cplm", "1"])
+        hp = tg.parse_args(["--preset", preset, "--cplm", "1", "--vocab_size", str(tg.GPT2_VOCAB_SIZE),
+                            "--bos_id", str(tg.GPT2_VOCAB_SIZE - 1)])
         with torch.device("meta"):  # counts only: no memory
             model = tg.GPT(tg.GPTConfig.from_args(hp))
         total = sum(p.numel() for p in model.parameters())

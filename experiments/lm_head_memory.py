@@ -3,8 +3,8 @@
     python experiments/lm_head_memory.py [--tokens 8192] [--vocab 50304]
 
 Each mode's loss runs forward and backward, compiled by inductor, on the same bf16 head output u
-(tokens x vocab, as the FP8 head hands it over) and, for CPLM, random 64-wide queries and keys over packed
-documents. torch.profiler records every allocation; the peak is the largest sum of live bytes above the
+(tokens x vocab, as the FP8 head hands it over) and, for CPLM, random 64-wide queries and keys over
+packed documents. torch.profiler records every allocation; the peak is the largest sum of live bytes above the
 inputs, and every allocation of at least tokens x vocab bytes is listed, so an (N, V) float32 buffer
 (4 bytes a slot) stands out from the (N, V) bf16 gradient that both modes must return.
 vanilla: the record's F.cross_entropy on the soft-capped logits (train_gpt_cplm.vanilla_nll);
@@ -69,8 +69,13 @@ def allocations(fn, args):
     return peak, [size for _, size in sorted(events) if size > 0]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="lm_head_memory.py", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=50304)
     args = parser.parse_args(argv)
