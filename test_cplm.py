@@ -1383,6 +1383,14 @@ def test_race_configurations_are_valid_command_lines():
     assert tg.parse_args(["--preset", "cpu", *race.CONFIGS["sw_cplm"]]).attn_window == 128
     byte_level = tg.parse_args(["--preset", "cpu", *race.CONFIGS["bytes_cplm"]])
     assert byte_level.vocab_size < byte_level.model_dim  # the control's point: no softmax bottleneck
+    # the prose race: the same learning-rate scales for both modes, rows of one length, validation every 5%
+    for name, flags in race.PROSE_CONFIGS.items():
+        args = tg.parse_args(["--preset", "cpu", *flags])
+        scale = float(name.rsplit("_lr", 1)[1])
+        assert args.lr_muon == pytest.approx(0.04 * scale) and args.lr_head == pytest.approx(0.008 * scale), name
+        assert args.seq_len == args.val_seq_len and args.val_loss_every <= 0.05 * args.num_iterations
+        assert args.num_iterations >= 1000 and args.copy_gate_init == (0.5 if "open" in name else 0.0)
+    assert {n.rsplit("_lr", 1)[1] for n in race.PROSE_CONFIGS if "vanilla" in n} == set(race.LR_SCALES)
 
 
 def test_cp_cost_naive_baseline_computes_the_same_lses():

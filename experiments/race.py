@@ -11,6 +11,7 @@ seed a separate run (one thread each, --jobs at a time), logs in OUT/logs/:
 Then writes OUT/summary.txt (records/compare.py per attention type, convergence ratio against vanilla's
 final val loss) and OUT/{full,sw,bytes}.png. Runs whose log already ends with a final line are not run
 again. `--study gate` runs GATE_CONFIGS instead (records/gate_init): the choice of optimizer and gate start.
+`--study prose` runs PROSE_CONFIGS (records/prose_race): the race on English prose at the paper's V/D.
 """
 import argparse
 import os
@@ -43,6 +44,26 @@ GATE_CONFIGS = {
 # the race's budget: 100 steps of 2048 tokens, validation on 16Ki tokens every 20 steps
 RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens", "16384"]
 
+# `--study prose`: English prose (data/build_prose_corpus.sh) with its own BPE of V = 8192 at D = 128
+# (V/D = 64, inside the paper's 24-85), 1000 steps, validation every 50 (5%) on 32Ki tokens in rows as long as
+# the training rows. Both modes get the same sweep of learning-rate scales (every rate times the scale,
+# seed 0); the headline then runs each mode's best scale on 3 seeds. The gate starts closed (the default);
+# prose_cplm_open_* starts it half open, a separate row.
+PROSE = ["--train_files", "data/prose8192/prose8192_train_*.bin", "--val_files", "data/prose8192/prose8192_val_*.bin",
+         "--val_seq_len", "1024", "--num_iterations", "1000", "--val_loss_every", "50", "--val_tokens", "32768"]
+CPU_LRS = {"lr_embed": 0.6, "lr_head": 0.008, "lr_scalar": 0.04, "lr_muon": 0.04, "lr_cp": 0.008}  # the cpu preset's
+LR_SCALES = ("0.5", "1", "2")
+
+
+def scaled_lrs(scale):
+    return [x for name, lr in CPU_LRS.items() for x in (f"--{name}", f"{lr * float(scale):g}")]
+
+
+PROSE_CONFIGS = {f"prose_{mode}_lr{scale}": ["--cplm", str(cplm), *scaled_lrs(scale), *PROSE]
+                 for scale in LR_SCALES for mode, cplm in (("vanilla", 0), ("cplm", 1))}
+PROSE_CONFIGS.update({f"prose_cplm_open_lr{scale}": ["--cplm", "1", "--copy_gate_init", "0.5", *scaled_lrs(scale),
+                                                     *PROSE] for scale in LR_SCALES})
+
 
 def ensure_corpora():
     """Builds the missing corpora; returns the tokenizer's exit code (it has said what went wrong) or 0."""
@@ -71,12 +92,12 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--only", default="", help="comma list of configuration names")
-    p.add_argument("--study", choices=["race", "gate"], default="race")
-    p.add_argument("--out", default=None, help="default records/race or records/gate_init")
+    p.add_argument("--study", choices=["race", "gate", "prose"], default="race")
+    p.add_argument("--out", default=None, help="default records/race, records/gate_init or records/prose_race")
     p.add_argument("extra", nargs="*", help="more train_gpt_cplm flags for every run, after --")
     args = p.parse_args(argv)
-    configs = CONFIGS if args.study == "race" else GATE_CONFIGS
-    args.out = args.out or ("records/race" if args.study == "race" else "records/gate_init")
+    configs = {"race": CONFIGS, "gate": GATE_CONFIGS, "prose": PROSE_CONFIGS}[args.study]
+    args.out = args.out or {"race": "records/race", "gate": "records/gate_init", "prose": "records/prose_race"}[args.study]
     log_dir = os.path.join(args.out, "logs")
     names = args.only.split(",") if args.only else list(configs)
     if args.study == "gate":
@@ -90,9 +111,14 @@ def main(argv=None):
         p.error(f"--jobs must be >= 1 (got {args.jobs})")
     if not all(s.strip().isdigit() for s in args.seeds.split(",")):
         p.error(f"--seeds must be integers separated by commas (got {args.seeds!r})")
-    rc = ensure_corpora()
-    if rc:
-        return rc
+    if args.study == "prose":
+        if not os.path.exists(os.path.join(ROOT, "data/prose8192/prose8192_val_000000.bin")):
+            print("race.py: error: no prose corpus: build it with `bash data/build_prose_corpus.sh`", file=sys.stderr)
+            return 1
+    else:
+        rc = ensure_corpora()
+        if rc:
+            return rc
     queue = []
     for name in names:
         for seed in args.seeds.split(",")[:SEEDS_OF.get(name, 99)]:
@@ -120,7 +146,8 @@ def main(argv=None):
 def summarize(out, study):
     compare = [sys.executable, "records/compare.py"]
     lines = []
-    groups = [("full", "cplm=0"), ("sw", "cplm=0"), ("bytes", "cplm=0")] if study == "race" else [("gate", None)]
+    groups = {"race": [("full", "cplm=0"), ("sw", "cplm=0"), ("bytes", "cplm=0")], "gate": [("gate", None)],
+              "prose": [("prose", None)]}[study]
     for prefix, reference in groups:
         cmd = compare + [f"{out}/logs/{prefix}_*.txt", "--plot", f"{out}/{prefix}.png"]
         cmd += ["--target_from", reference] if reference else []
