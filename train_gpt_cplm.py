@@ -1,6 +1,6 @@
 """train_gpt_cplm.py: a NanoGPT-speedrun-style GPT on FineWeb, vanilla or Copy-Paste LM (CPLM), in one file.
 
-    torchrun --standalone --nproc_per_node=8 train_gpt_cplm.py             # vanilla speedrun
+    torchrun --standalone --nproc_per_node=8 train_gpt_cplm.py             # vanilla: the 2025-01-26 record
     torchrun --standalone --nproc_per_node=8 train_gpt_cplm.py --cplm 1    # the same run with a CP head
     python train_gpt_cplm.py --preset cpu                                  # small model on a CPU
 
