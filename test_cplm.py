@@ -1856,3 +1856,220 @@ def test_spamlang_out_under_a_file_is_one_line_exit_1(tmp_path, capsys):
     out = tmp_path / "plain" / "results"
     assert spamlang.main(["--vocabs", "512", "--steps", "1", "--out", str(out)]) == 1
     assert_one_line(capsys.readouterr().err, "--out", str(out))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the prose corpus builder (data/prose_corpus.py) and experiments/copy_share.py: tiny trees, no apt, no network
+
+
+pc = _load(Path(ROOT) / "data" / "prose_corpus.py", "data_prose_corpus")
+cs = _load(Path(ROOT) / "experiments" / "copy_share.py", "experiments_copy_share")
+
+PROSE = ("The kernel keeps a list of the tasks that are ready to run, and it picks the next one when the\n"
+         "current task blocks or uses up its time slice. This is what we call scheduling, and it is one of\n"
+         "the oldest problems in the design of an operating system; it has been studied for decades.\n")
+CODE = ("static int foo(struct bar *b)\n{\n\tint i, n = b->len;\n\tfor (i = 0; i < n; i++)\n"
+        "\t\tb->v[i] = bar_get(b, i) + 1;\n\treturn n ? b->v[0] : -EINVAL;\n}\n") * 3
+TABLE = ("| 0x00 | RESET   | 0   | r/w | 32 |\n| 0x04 | STATUS  | 1   | ro  | 16 |\n"
+         "| 0x08 | CONTROL | 0xff | rw | 8 |\n") * 4
+GERMAN = ("Der Kern verwaltet eine Liste der Aufgaben, die bereit sind, und er wählt die nächste aus, wenn\n"
+          "die aktuelle Aufgabe blockiert oder ihre Zeitscheibe aufgebraucht hat. Das nennt man Planung.\n") * 2
+
+
+def _run_script(script, *args):
+    return subprocess.run([sys.executable, str(Path(ROOT) / script), *map(str, args)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(ROOT))
+
+
+def assert_one_line_error(res, code):
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# the prose filter and the readers
+
+def test_prose_filter_keeps_prose_and_drops_code_tables_and_other_languages():
+    assert pc.is_prose(PROSE)
+    assert pc.is_prose(PROSE + "\n.. code-block:: c\n\n\tfoo(1);\n")  # a little code in prose is fine
+    for text in (CODE, TABLE, GERMAN, "- one\n- two\n- three\n" * 20):
+        assert not pc.is_prose(text), text[:40]
+    share, stop = pc.prose_stats(PROSE + CODE)
+    assert 0.0 < share < 1.0 and 0.0 < stop < 0.5
+
+
+def test_html_to_text_drops_page_furniture_and_keeps_pre():
+    html = ("<html><head><title>T</title><style>p {}</style></head><body><nav>Home | Next</nav>"
+            "<div class='navheader'><div>Prev</div> Up</div><h1>Title</h1><p>One   two\nthree &amp; four.</p>"
+            "<script>var x = 1;</script><pre>a\n    b</pre><footer>debug info</footer></body></html>")
+    assert pc.html_to_text(html) == "Title\n\nOne two three & four.\n\na\n    b\n"
+
+
+def test_split_long_cuts_at_paragraphs_and_loses_nothing():
+    text = "".join(f"paragraph {i} " + "word " * (i % 7 * 20) + "\n\n" for i in range(50)) + "x" * 3000
+    pieces = pc.split_long(text, 1000)
+    assert "".join(pieces) == text and all(len(p) <= 1000 for p in pieces)
+    assert sum(p.endswith("\n\n") for p in pieces) >= len(pieces) - 4
+    assert pc.split_long("short", 1000) == ["short"]
+
+
+def test_filter_documents_counts_each_drop():
+    docs = [("a", PROSE), ("b", "tiny"), ("c", CODE), ("d", PROSE + "\n"), ("e", PROSE * 3)]
+    kept, counts = pc.filter_documents(docs, min_chars=200, max_doc_chars=100_000)
+    assert [n for n, _ in kept] == ["a", "e"]
+    assert counts == {"pieces": 5, "tiny": 1, "not_prose": 1, "duplicate": 1}
+    seen = set()  # a shared `seen` drops a later source's copy too
+    pc.filter_documents([("x", PROSE)], seen=seen)
+    assert pc.filter_documents([("y", PROSE)], seen=seen)[1]["duplicate"] == 1
+
+
+def test_split_jargon_and_bible():
+    jargon = ("The Jargon File\n\nfront matter text\n\nChapter 1. Hacker Slang\n\nchapter text\n\nGlossary\n\n   0\n\n"
+              "   :0: n.\n\n   Numeric zero.\n\n   :ACK: interj.\n\n   Acknowledge.\n\n   :abbrev: n.\n\n   Short.\n\n"
+              "   :BASIC: n.\n\n   A language.\n\nAppendix A. Hacker Folklore\n\nstories\n")
+    names = [n for n, _ in pc.split_jargon(jargon)]
+    assert names == ["front matter", "Chapter 1", "Glossary", "lexicon 0-9", "lexicon A", "lexicon B", "Appendix A"]
+    bible = ("\nGenesis 1\n\n  1 In the beginning God created the heaven\nand the earth.\n  2 And the earth was void.\n"
+             "\nGenesis 2\n\n  1 Thus the heavens were finished.\n\nSong of Solomon 1\n\n  1 The song of songs.\n")
+    books = dict(pc.split_bible(bible))
+    assert list(books) == ["Genesis", "Song of Solomon"]
+    assert books["Genesis"] == ("Genesis 1\n\nIn the beginning God created the heaven and the earth.\n"
+                                "And the earth was void.\n\nGenesis 2\n\nThus the heavens were finished.\n")
+
+
+# ----------------------------------------------------------------------------------------------------
+# order and split
+
+def test_shuffle_and_split_are_seeded_and_independent_of_reading_order():
+    docs = [("s", f"doc{i:03d}", f"text {i}") for i in range(200)]
+    a = pc.shuffle_documents(docs, seed=0)
+    assert a == pc.shuffle_documents(list(reversed(docs)), seed=0)  # reading order does not matter
+    assert a != docs and sorted(a) == docs                          # not source order, nothing lost
+    assert a != pc.shuffle_documents(docs, seed=1)
+    f = pc.split_flags(len(a), seed=0, val_fraction=0.1)
+    assert f == pc.split_flags(len(a), seed=0, val_fraction=0.1) and 5 <= sum(f) <= 40
+    assert f != pc.split_flags(len(a), seed=1, val_fraction=0.1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokenizer and shards (a fake unpacked-package tree, two sources)
+
+def _fake_work(tmp_path, n_docs=40):
+    root = tmp_path / "work" / "root"
+    git = root / "git-doc/usr/share/doc/git-doc"
+    gimp = root / "gimp-help-en/usr/share/gimp/2.0/help/en"
+    git.mkdir(parents=True)
+    gimp.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    words = "the of and a to in is it that for tool layer image brush commit branch merge color".split()
+    for i in range(n_docs):
+        body = "\n".join(" ".join(rng.choice(words, 10)) + "." for _ in range(8 + i % 5))
+        if i % 2:
+            (git / f"doc{i}.txt").write_text(f"Document {i} of git, on <|bos|> and more.\n{body}\n")
+        else:
+            (gimp / f"page{i}.html").write_text(f"<html><body><h1>Page {i}</h1><p>{body}</p></body></html>")
+    (git / "code.txt").write_text(CODE)  # dropped as not prose
+    return tmp_path / "work"
+
+
+def test_build_trains_on_train_split_and_writes_shards_with_bos_last(tmp_path, monkeypatch):
+    pytest.importorskip("tokenizers")
+    work = _fake_work(tmp_path)
+    seen_texts = []
+    real_train = pc.train_tokenizer
+    monkeypatch.setattr(pc, "train_tokenizer", lambda texts, V, threads=None: (
+        seen_texts.extend(texts), real_train(seen_texts, V, threads))[1])
+    logs = []
+    s = pc.build(work, tmp_path / "out", vocab_sizes=[300], sources=["git", "gimp"], seed=3, val_fraction=0.25,
+                 min_chars=100, threads=1, log=logs.append)
+    assert s["sources"]["git"]["not_prose"] == 1 and s["documents"] == 40
+    v = s["vocab"][300]
+    V = v["vocab_size"]
+    assert V == 300 and v["bos"] == V - 1
+    # the tokenizer saw exactly the train documents of the shuffled, seeded split
+    docs = pc.shuffle_documents([(src, n, t) for src in ("git", "gimp") for n, t in
+                                 pc.filter_documents(pc.load_source(next(x for x in pc.SOURCES if x.name == src),
+                                                                    work / "root", work / "docs", 1)[0], 100)[0]], 3)
+    flags = pc.split_flags(len(docs), 3, 0.25)
+    assert seen_texts == [t for (_, _, t), f in zip(docs, flags) if not f]
+    assert v["docs"] == {"val": sum(flags), "train": len(docs) - sum(flags)}
+    tok = pc.HFEncoding(pc._tokenizers().Tokenizer.from_file(str(tmp_path / "out/prose300/tokenizer.json")), "t")
+    for split in ("train", "val"):
+        path = tmp_path / f"out/prose300/prose300_{split}_000000.bin"
+        header, tokens = pc.read_shard_header(path), np.fromfile(path, dtype="<u2", offset=1024)
+        assert header["vocab_size"] == V and header["version"] == 1 and header["num_tokens"] == tokens.size
+        assert tokens[0] == V - 1 and (tokens == V - 1).sum() == v["docs"][split]  # BOS starts every document
+        assert tokens.max() == V - 1
+        first = tokens[1:np.flatnonzero(tokens == V - 1)[1] if v["docs"][split] > 1 else None]
+        texts = [t for (_, _, t), f in zip(docs, flags) if f == (split == "val")]
+        assert tok.decode(first.tolist()) == texts[0]  # and "<|bos|>" in a text stayed text
+    assert any("targets" in line for line in logs)
+    # a second build reuses the tokenizer and the document caches
+    logs.clear()
+    pc.build(work, tmp_path / "out", vocab_sizes=[300], sources=["git", "gimp"], seed=3, val_fraction=0.25,
+             min_chars=100, threads=1, log=logs.append)
+    assert any("reusing" in line for line in logs) and any("(cached)" in line for line in logs)
+
+
+def test_literal_bos_text_is_not_the_bos_id():
+    pytest.importorskip("tokenizers")
+    tok = pc.train_tokenizer([PROSE * 5, "<|bos|> appears here"], 300, threads=1)
+    enc = pc.HFEncoding(tok, "t")
+    assert enc.eot_token == enc.n_vocab - 1
+    ids = enc.encode_ordinary_batch(["a <|bos|> b"])[0]
+    assert enc.eot_token not in ids and enc.decode(ids) == "a <|bos|> b"
+
+
+# ----------------------------------------------------------------------------------------------------
+# copy share
+
+def _brute_force(tokens, bos, w):
+    n = copy = 0
+    start = 0
+    for t, x in enumerate(tokens):
+        if x == bos:
+            start = t
+            continue
+        n += 1
+        lo = max(start, t - w) if w else start
+        copy += x in tokens[lo:t]
+    return n, copy
+
+
+def test_copy_share_matches_brute_force(tmp_path):
+    rng = np.random.default_rng(1)
+    V = 40
+    docs = [np.concatenate([[V - 1], rng.integers(0, 12 if i % 2 else V - 1, rng.integers(1, 300))]) for i in range(30)]
+    tokens = np.concatenate([rng.integers(0, 5, 7)] + docs)  # a headless first document too
+    cut = tokens.size // 2
+    tc.write_shard(tmp_path / "c_000000.bin", tokens[:cut], V)
+    tc.write_shard(tmp_path / "c_000001.bin", tokens[cut:], V)  # a document spans the two files
+    paths = sorted(tmp_path.glob("c_*.bin"))
+    for chunk in (16, 1 << 20):
+        dist = np.concatenate([cs.copy_distances(p, V - 1) for p in cs.document_chunks(paths, V - 1, chunk)])
+        assert dist.size == tokens.size
+    r = cs.copy_share(paths, [1, 5, 64])
+    assert r["docs"] == 30 and r["bos"] == V - 1
+    lst = tokens.tolist()
+    for w, key in ((1, "1"), (5, "5"), (64, "64"), (0, "doc")):
+        n, copy = _brute_force(lst, V - 1, w)
+        assert r["tokens"] == n and r["copyable"][key] == copy, key
+    out = _run_script("experiments/copy_share.py", str(tmp_path / "c_*.bin"), "--windows", "1,5")
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout.strip().splitlines()[-1])["corpora"][0]
+    assert row["copyable"]["5"] == _brute_force(lst, V - 1, 5)[1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# one-line errors
+
+def test_scripts_give_one_line_errors(tmp_path):
+    assert_one_line_error(_run_script("data/prose_corpus.py", "--vocab_sizes", "100"), 2)
+    assert_one_line_error(_run_script("data/prose_corpus.py", "--vocab_sizes", "8k"), 2)
+    assert_one_line_error(_run_script("data/prose_corpus.py", "--sources", "nonsense"), 2)
+    assert_one_line_error(_run_script("data/prose_corpus.py", "--work_dir", tmp_path / "none", "--sources", "git"), 1)
+    assert_one_line_error(_run_script("experiments/copy_share.py", tmp_path / "none_*.bin"), 1)
+    (tmp_path / "x.bin").write_bytes(b"not a shard" * 200)
+    assert_one_line_error(_run_script("experiments/copy_share.py", tmp_path / "x.bin"), 1)
+    assert_one_line_error(_run_script("experiments/copy_share.py", tmp_path / "x.bin", "--windows", "a,b"), 2)
+    assert_one_line_error(_run_script("experiments/copy_share.py"), 2)
