@@ -883,10 +883,17 @@ def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_i
 # Optimizer: Muon for the hidden matrices, Adam for embeddings, head and scalars
 
 
+def update_dtype(device):
+    """Muon's orthogonalisation and its all-gather run in bf16 on a GPU, as the record; in fp32 on a CPU, whose
+    bf16 matmuls are slow (the cpu preset's matrices: 0.79 s a step in bf16, 0.04 s in fp32, one thread;
+    records/cpu_preset/newton_schulz_dtype.txt)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def newton_schulz(G, steps=5):
-    """Approximately orthogonalises G (..., m, n): the quintic iteration of the speedrun, in bf16."""
+    """Approximately orthogonalises G (..., m, n): the quintic iteration of the speedrun."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.bfloat16()
+    X = G.to(update_dtype(G.device))
     transposed = G.size(-2) > G.size(-1)
     if transposed:
         X = X.mT
@@ -903,7 +910,8 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then Newton-Schulz orthogonalisation, scaled by sqrt(max(1, rows / cols)).
     With several ranks, as in the record: each rank orthogonalises every world_size-th matrix of a group of
-    equal-sized ones, and the bf16 updates are all-gathered asynchronously while the next ones are computed.
+    equal-sized ones, and the updates (bf16 on GPU) are all-gathered asynchronously while the next ones are
+    computed.
     Our own rather than torch.optim.Muon, which repeats every matrix on every rank. Every rank keeps every
     momentum buffer (a few elementwise ops more than the record), so a checkpoint from rank 0 resumes at
     any world size."""
@@ -926,7 +934,8 @@ class Muon(torch.optim.Optimizer):
                 for p in params:
                     p.add_(self._update(p, momentum), alpha=-lr * max(1, p.size(-2) / p.size(-1)) ** 0.5)
                 continue
-            flat = torch.empty(self.world_size * params[0].numel(), dtype=torch.bfloat16, device=params[0].device)
+            dtype = update_dtype(params[0].device)
+            flat = torch.empty(self.world_size * params[0].numel(), dtype=dtype, device=params[0].device)
             gathered = flat.view(self.world_size, -1)  # row r: the update computed by rank r
             pending = None  # (the all-gather in flight, the matrices it updates)
             for base in range(0, len(params), self.world_size):
@@ -934,7 +943,7 @@ class Muon(torch.optim.Optimizer):
                 mine = self._update(params[owned], momentum).flatten() if owned < len(params) else gathered[self.rank]
                 if pending is not None:
                     self._apply(*pending, gathered, lr)
-                work = all_gather_single(flat, mine.bfloat16(), async_op=True)
+                work = all_gather_single(flat, mine.to(dtype), async_op=True)
                 pending = work, params[base:base + self.world_size]
             self._apply(*pending, gathered, lr)
 
