@@ -61,7 +61,7 @@ class Hyperparameters:
     # to whole 128-token blocks (at least one); "short" layers use half as many blocks as "long" ones
     attn_window_start: int = 0  # window (tokens) at step 0
     attn_window: int = 1728  # window (tokens) at the last step
-    logit_softcap: float = 15.0  # z = 2 cap sigmoid(2 u / cap), the record's shifted tanh soft-cap
+    logit_softcap: float = 15.0  # z = 2 cap sigmoid(2 u / cap), the record's shifted tanh soft-cap; 0: none
     fp8_head: int = -1  # FP8 matmul in the LM head while training: 1 on, 0 off, -1 where the GPU has FP8
     # Copy-Paste head (see CopyPasteHead)
     cplm: int = 0  # 0: vanilla GPT; 1: CPLM (CP head + <copy> gate + mixture loss)
@@ -126,6 +126,9 @@ PRESETS = {
 FIELD_HELP = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", inspect.getsource(Hyperparameters), re.MULTILINE))
 
 
+FLAGS_GIVEN = set()  # the flags of the last parse_args: a resumed run keeps the checkpoint's rates unless given
+
+
 class UsageError(Exception):
     """A bad command line: reported in one line, exit code 2."""
 
@@ -144,6 +147,8 @@ def parse_args(argv=None) -> Hyperparameters:
         parser.add_argument(f"--{f.name}", type=kind, default=None, metavar=kind.__name__.upper(),
                             help=f"{FIELD_HELP.get(f.name, '')} (default {getattr(defaults, f.name)!r})")
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    FLAGS_GIVEN.clear()
+    FLAGS_GIVEN.update(given)
     preset = given.get("preset", "auto")
     if preset == "auto":
         preset = "speedrun" if torch.cuda.is_available() else "cpu"
@@ -178,13 +183,16 @@ def check_args(a: Hyperparameters):
     need(0 <= a.copy_gate_init < 1, "--copy_gate_init is the gate's starting value: it must lie in [0, 1)")
     need(a.dist_timeout_s > 0 and a.train_loss_every >= 0, "--dist_timeout_s must be > 0, --train_loss_every >= 0")
     need(0 <= a.cooldown_frac <= 1, "--cooldown_frac must lie in [0, 1]")
+    need(a.logit_softcap >= 0, "--logit_softcap must be >= 0 (0: no soft-cap)")
     need(a.resume == "" or os.path.isfile(a.resume), f"--resume: no such checkpoint file: {a.resume}")
     need(a.cp_stop_grad in (0, 1) and a.save_checkpoint in (0, 1) and a.overwrite in (0, 1) and a.compile in (-1, 0, 1),
          "--cp_stop_grad, --save_checkpoint and --overwrite must be 0 or 1, --compile -1, 0 or 1")
     lrs = {f: getattr(a, f) for f in ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")}
     need(all(0 <= v < math.inf for v in lrs.values()), "learning rates must be finite and >= 0: " + ", ".join(
         f"--{k} {v}" for k, v in lrs.items() if not 0 <= v < math.inf))
-    need(0 <= a.muon_momentum < 1 and a.muon_momentum_warmup_steps >= 0, "--muon_momentum must lie in [0, 1)")
+    need(0 <= a.muon_momentum < 1, "--muon_momentum must lie in [0, 1)")
+    need(a.muon_momentum_warmup_steps >= 0, "--muon_momentum_warmup_steps must be >= 0")
+    need(0 <= a.seed < 2 ** 63, "--seed must lie in [0, 2^63)")
     intervals = ("val_loss_every", "train_loss_every", "checkpoint_every", "warmup_steps", "target_val_loss")
     need(all(getattr(a, f) >= 0 for f in intervals), "must be >= 0: " + ", ".join(
         f"--{f} {getattr(a, f)}" for f in intervals if getattr(a, f) < 0))
@@ -215,8 +223,10 @@ def shard_header(path: str) -> tuple[np.dtype, int, int]:
         raise DataError(f"{path}: unsupported shard version {header[1]} (1 = uint16, 2 = uint32 tokens)")
     dtype, count = np.dtype(SHARD_DTYPES[int(header[1])]), int(header[2])
     if size != 1024 + count * dtype.itemsize:
-        raise DataError(f"{path}: truncated or padded: header says {count} tokens, "
-                        f"the file holds {(size - 1024) / dtype.itemsize:.0f}")
+        raise DataError(f"{path}: truncated or padded: header says {count} tokens ({1024 + count * dtype.itemsize} "
+                        f"bytes with the header), the file has {size} bytes")
+    if header[3] < 0:
+        raise DataError(f"{path}: header states a vocabulary of {header[3]} ids")
     return dtype, count, int(header[3])
 
 
@@ -1005,12 +1015,15 @@ def window_blocks(step, a: Hyperparameters):
 
 class Logger:
     """Rank 0 writes logs/<run_id>.txt: the script's source, the environment, then the run's lines. A resumed
-    run appends a "resumed" section to its run's log instead of starting a new one."""
+    run appends a "resumed" section to its run's log instead of starting a new one. undo() takes back what
+    this run wrote, for a run refused before it started (bad data, a checkpoint that does not fit)."""
 
     def __init__(self, a: Hyperparameters, master: bool):
         self.path = log_path(a) if master else None
+        self.size_before = None  # None: the file is this run's own
         if self.path:
             resuming = a.resume and os.path.exists(self.path)
+            self.size_before = os.path.getsize(self.path) if resuming else None
             header = f"resumed from {a.resume}" if resuming else open(__file__).read()
             with open(self.path, "a" if resuming else "w") as f:
                 f.write(("=" * 100 + "\n" + header + "\n") if resuming else (header + "\n" + "=" * 100 + "\n"))
@@ -1021,6 +1034,12 @@ class Logger:
                 print(line, flush=True)
             with open(self.path, "a") as f:
                 f.write(line + "\n")
+
+    def undo(self):
+        if self.path and self.size_before is None:
+            os.remove(self.path)
+        elif self.path:
+            os.truncate(self.path, self.size_before)
 
 
 def log_path(a: Hyperparameters):
@@ -1037,6 +1056,9 @@ def check_log_target(a: Hyperparameters):
         os.remove(os.path.join(a.log_dir, f".{a.run_id}.probe"))
     except OSError as e:
         raise UsageError(f"--log_dir {a.log_dir}: cannot write there ({e.strerror})")
+    checkpoints = os.path.join(a.log_dir, a.run_id)
+    if os.path.exists(checkpoints) and not os.path.isdir(checkpoints):
+        raise UsageError(f"{checkpoints} is a file, but checkpoints go in a folder of that name: choose another --run_id")
     if os.path.exists(log_path(a)) and not a.resume and not a.overwrite:
         raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume, "
                          "or replace it with --overwrite 1")
@@ -1085,20 +1107,24 @@ def evaluate(model, val_tokens, a: Hyperparameters, window_blocks, rank, world_s
     return out
 
 
+LR_FIELDS = ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")
 SHAPE_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "no_attention_layer", "cplm", "cp_dim",
                 "cp_optimizer")  # a checkpoint only fits a run that agrees on these
 
 
-def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a):
+def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, written):
     """Written to a temporary file and renamed, so a crash never leaves half a checkpoint; then only the
-    newest keep_checkpoints of the run stay."""
+    newest keep_checkpoints of those this run wrote (the list `written`) stay. Another run's are not touched."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
                  loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a))
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
-    for old in sorted(glob.glob(os.path.join(os.path.dirname(path), "state_step*.pt")))[:-a.keep_checkpoints]:
-        os.remove(old)
+    written.append(path)
+    for old in written[:-a.keep_checkpoints]:
+        if os.path.exists(old):
+            os.remove(old)
+    del written[:-a.keep_checkpoints]
 
 
 def read_checkpoint(a: Hyperparameters, device):
@@ -1107,7 +1133,9 @@ def read_checkpoint(a: Hyperparameters, device):
     try:
         state = torch.load(a.resume, map_location=device, weights_only=False)
         saved = state["hyperparameters"]
-        state["step"], state["model"], state["optimizers"], state["loader"], state["training_time_ms"]
+        assert isinstance(saved, dict) and isinstance(state["step"], int) and isinstance(state["model"], dict)
+        assert len(state["optimizers"]) == 2 and isinstance(state["loader"]["position"], int)
+        assert float(state["training_time_ms"]) >= 0
     except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
         raise DataError(f"--resume {a.resume}: not a readable checkpoint of this script "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
@@ -1137,6 +1165,8 @@ def fp8_available(device):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.resume and not a.run_id:  # continue the checkpoint's own run: logs/<run_id>/state_stepN.pt
+        a.run_id = os.path.basename(os.path.dirname(os.path.abspath(a.resume)))
     a.run_id = a.run_id or str(uuid.uuid4())
     # distributed set-up: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
     distributed = "WORLD_SIZE" in os.environ
@@ -1167,6 +1197,12 @@ def main(argv=None):
     log = Logger(a, master)
     try:
         return train(a, log, rank, world_size, device)
+    except (UsageError, DataError):
+        if not getattr(log, "started", False):  # refused before the first step: leave no trace in the logs
+            log.undo()
+        else:
+            log(f"stopped: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}", console=False)
+        raise
     except BaseException as e:  # the log ends with why it stopped
         log(f"stopped: {type(e).__name__}: {e}", console=False)
         raise
@@ -1184,15 +1220,22 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size)
     val_tokens = load_val_tokens(a.val_files, a.val_tokens, a.vocab_size)
     grad_accum = a.batch_size // a.seq_len // world_size
-    log(f"hyperparameters: {json.dumps(dataclasses.asdict(a))}")
     checkpoint = read_checkpoint(a, device) if a.resume else None
-    if checkpoint is not None and checkpoint["step"] >= a.num_iterations:
-        log(f"nothing to train: the checkpoint is at step {checkpoint['step']}, --num_iterations is {a.num_iterations}")
-        return 0
     if rank == 0:  # a kill during a save leaves a temporary file: the checkpoint it held never existed
-        for stale in glob.glob(os.path.join(a.log_dir, a.run_id, "state_step*.pt.tmp")):
+        folders = {os.path.join(a.log_dir, a.run_id)} | ({os.path.dirname(a.resume)} if a.resume else set())
+        for stale in sorted(f for folder in folders for f in glob.glob(os.path.join(folder, "state_step*.pt.tmp"))):
             os.remove(stale)
             log(f"removed {stale}, left by a run killed while saving")
+    if checkpoint is not None and checkpoint["step"] >= a.num_iterations:
+        log.started = True
+        log(f"nothing to train: the checkpoint is at step {checkpoint['step']}, --num_iterations is {a.num_iterations}")
+        return 0
+    if checkpoint is not None:  # learning rates not given on this command line stay the checkpoint's
+        kept = {f: checkpoint["hyperparameters"][f] for f in LR_FIELDS if f not in FLAGS_GIVEN
+                and f in checkpoint["hyperparameters"]}
+        a = dataclasses.replace(a, **kept)
+    log(f"hyperparameters: {json.dumps(dataclasses.asdict(a))}")
+    log.started = True  # from here on, a failure is part of the run's story
 
     fp8_head = a.fp8_head == 1 or (a.fp8_head == -1 and fp8_available(device))
     if a.fp8_head == -1 and device.type == "cuda" and not fp8_head:
@@ -1267,22 +1310,28 @@ def train(a: Hyperparameters, log, rank, world_size, device):
 
     start_step, training_time_ms = 0, 0.0
     if checkpoint is not None:  # the clock and the schedule continue where they stopped
-        model.load_state_dict(checkpoint["model"])
         command_line_lrs = [[g["initial_lr"] for g in opt.param_groups] for opt in optimizers]
-        for opt, opt_state, lrs in zip(optimizers, checkpoint["optimizers"], command_line_lrs):
-            opt.load_state_dict(opt_state)  # this would bring back the checkpoint's learning rates...
+        try:
+            model.load_state_dict(checkpoint["model"])
+            for opt, opt_state in zip(optimizers, checkpoint["optimizers"]):
+                opt.load_state_dict(opt_state)  # this would bring back the checkpoint's learning rates...
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise DataError(f"--resume {a.resume}: its weights or optimizer states do not fit this model "
+                            f"({str(e).splitlines()[0][:200]})")
+        for opt, lrs in zip(optimizers, command_line_lrs):
             for group, lr in zip(opt.param_groups, lrs):
-                group["initial_lr"] = lr  # ...but the command line's are the ones this run asked for
+                group["initial_lr"] = lr  # ...but this run's are the ones it asked for
         loader.set_state(checkpoint["loader"])
         start_step, training_time_ms = checkpoint["step"], checkpoint["training_time_ms"]
         saved = checkpoint["hyperparameters"]
-        changed = [f"--{f} {saved.get(f)} -> {getattr(a, f)}" for f in ("lr_embed", "lr_head", "lr_scalar", "lr_muon",
-                                                                        "lr_cp") if saved.get(f) != getattr(a, f)]
+        changed = [f"--{f} {saved.get(f)} -> {getattr(a, f)}" for f in LR_FIELDS if saved.get(f) != getattr(a, f)]
         log(f"resumed from {a.resume} at step {start_step}, train_time {training_time_ms:.0f}ms"
             + (f"; learning rates from the command line: {', '.join(changed)}" if changed else ""))
 
     def checkpoint_path(step):
         return os.path.join(a.log_dir, a.run_id, f"state_step{step:06d}.pt")
+
+    written = []  # the checkpoints this run saved, newest last: the ones --keep_checkpoints rotates
 
     def synchronize():
         if device.type == "cuda":
@@ -1316,7 +1365,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
                                                 or (last and a.save_checkpoint)):
             synchronize()
             training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops while saving, and is saved
-            save_checkpoint(checkpoint_path(step), model, optimizers, step, loader, training_time_ms, a)
+            save_checkpoint(checkpoint_path(step), model, optimizers, step, loader, training_time_ms, a, written)
             log(f"saved checkpoint {checkpoint_path(step)}")
             t0 = time.perf_counter()
         if last:
@@ -1324,7 +1373,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         train_loss = train_step(step)
         step += 1
         approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-        timing = f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step - start_step):.2f}ms"
+        timing = f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms"
         if a.train_loss_every > 0 and step % a.train_loss_every == 0:  # .item() waits for the GPU
             train_loss = all_reduce_sum(train_loss, world_size).item() / world_size
             log(f"step:{step}/{a.num_iterations} train_loss:{train_loss:.4f} {timing}")

@@ -38,7 +38,9 @@ import re
 import sys
 
 DEFAULT_TARGET = 3.28
-ALWAYS_IGNORED = ("seed", "run_id", "log_dir", "resume")  # where a run was written is not what it was
+# where a run was written, and how it was checkpointed or logged, is not what it was
+ALWAYS_IGNORED = ("seed", "run_id", "log_dir", "resume", "overwrite", "checkpoint_every", "save_checkpoint",
+                  "keep_checkpoints", "train_loss_every", "dist_timeout_s")
 
 _FLOAT = r"[-+]?(?:nan|inf|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
 RE_HPARAMS = re.compile(r"^hyperparameters: (\{.*\})$")
@@ -69,6 +71,18 @@ def _to_float(s):
         return float("nan")
 
 
+def _hparams_of(line):
+    """The hyperparameters dict of a `hyperparameters: {...}` line, else None."""
+    m = RE_HPARAMS.match(line)
+    if not m:
+        return None
+    try:
+        obj = json.loads(m.group(1))
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def parse_log(path):
     """Parse one log file.
 
@@ -84,39 +98,37 @@ def parse_log(path):
     except OSError as e:
         raise LogError(f"cannot read {path}: {e.strerror or e}") from None
 
-    # The source code comes first.  The log proper starts at the last valid
-    # hyperparameters line (if any), so that examples inside the source (e.g.
-    # in a docstring) are never mistaken for measurements.
-    hparams, start = None, 0
-    for i, line in enumerate(lines):
-        m = RE_HPARAMS.match(line)
-        if m:
-            try:
-                obj = json.loads(m.group(1))
-            except ValueError:
-                continue
-            if isinstance(obj, dict):
-                hparams, start = obj, i + 1
+    # The source code comes first, up to a line of "=": nothing in it is a measurement. A resumed run adds
+    # sections (each from its own hyperparameters line); a step logged again after a resume replaces the
+    # earlier value, and the last section's hyperparameters and stop reason count.
+    separator = next((i for i, line in enumerate(lines) if len(line) >= 10 and set(line) == {"="}), None)
+    if separator is None:  # no separator: trust only what follows the last hyperparameters line
+        separator = max([i for i, line in enumerate(lines) if _hparams_of(line) is not None], default=0) - 1
+    hparams = None
     run_id = None
-    for line in lines:
+    by_step = {"val": {}, "train": {}, "diags": {}}
+    stopped, peak, reserved = None, None, None
+    for line in lines[separator + 1:]:
+        obj = _hparams_of(line)
+        if obj is not None:
+            hparams, stopped = obj, None
+            continue
         m = RE_RUN_ID.match(line)
         if m:
             run_id = m.group(1)
-
-    val, train, diags = [], [], []
-    stopped, peak, reserved = None, None, None
-    for line in lines[start:]:
+            continue
         if not line.startswith(("step:", "stopped:", "peak memory")):
             continue
         m = RE_VAL.match(line)
         if m:
-            val.append(dict(step=int(m.group(1)), total=int(m.group(2)),
-                            loss=_to_float(m.group(3)), time_ms=int(m.group(4))))
+            by_step["val"][int(m.group(1))] = dict(step=int(m.group(1)), total=int(m.group(2)),
+                                                   loss=_to_float(m.group(3)), time_ms=int(m.group(4)))
             continue
         m = RE_TRAIN.match(line)
         if m:
-            train.append(dict(step=int(m.group(1)), total=int(m.group(2)),
-                              loss=_to_float(m.group(3)) if m.group(3) else None, time_ms=int(m.group(4))))
+            by_step["train"][int(m.group(1))] = dict(
+                step=int(m.group(1)), total=int(m.group(2)), loss=_to_float(m.group(3)) if m.group(3) else None,
+                time_ms=int(m.group(4)))
             continue
         m = RE_STEP_KV.match(line)
         if m:
@@ -127,7 +139,7 @@ def parse_log(path):
                     d[k] = float(v)
                 except ValueError:
                     d[k] = v
-            diags.append(d)
+            by_step["diags"][d["step"]] = d
             continue
         m = RE_STOPPED.match(line)
         if m:
@@ -137,6 +149,7 @@ def parse_log(path):
         if m:
             peak = int(m.group(1))
             reserved = int(m.group(2)) if m.group(2) else None
+    val, train, diags = ([d[k] for k in sorted(d)] for d in (by_step["val"], by_step["train"], by_step["diags"]))
 
     if not val:
         raise LogError(f"{path}: no val_loss lines")
