@@ -163,10 +163,10 @@ def test_dense_attention_matches_flex_forward():
     torch.manual_seed(0)
     B, H, T, d = 2, 2, 512, 16
     doc_ids = tg.doc_ids_of(random_documents(B, T, 7, 0), 7)
-    w = None
     q, k, v = torch.randn(3, B, H, T, d).unbind(0)
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=tg.dense_attention_mask(doc_ids, w), scale=0.12)
-    flex = tg.flex_attention(q, k, v, block_mask=tg.flex_document_mask(doc_ids, w), scale=0.12)
+    tiles = tg.document_blocks(doc_ids)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=tg.dense_attention_mask(doc_ids, tiles), scale=0.12)
+    flex = tg.flex_attention(q, k, v, block_mask=tg.flex_document_mask(doc_ids, tiles), scale=0.12)
     torch.testing.assert_close(dense, flex, atol=1e-5, rtol=1e-5)
 
 
@@ -197,7 +197,9 @@ def test_window_tiles_follow_the_record(w):
     doc_ids = tg.doc_ids_of(random_documents(2, T, 7, 1), 7)
     pos = torch.arange(T)
     allowed = (pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :])
-    (p_count, p_index), (f_count, f_index) = tg.document_blocks(doc_ids, torch.tensor(w, dtype=torch.int32))
+    window = torch.tensor(w, dtype=torch.int32)
+    tiles_of_window = tg.within_window(tg.document_blocks(doc_ids), window)
+    (p_count, p_index), (f_count, f_index) = tiles_of_window
 
     def tiles(counts, indices):
         out = torch.zeros(2, T // blk, T // blk, dtype=torch.bool)
@@ -207,16 +209,16 @@ def test_window_tiles_follow_the_record(w):
         return out
 
     partial, full = tiles(p_count, p_index), tiles(f_count, f_index)
-    block_mask = tg.flex_document_mask(doc_ids, torch.tensor(w, dtype=torch.int32))
+    block_mask = tg.flex_document_mask(doc_ids, tiles_of_window)
     assert torch.equal(block_mask.to_dense()[:, 0].bool(), partial | full)  # what the CUDA kernel visits
     assert not (partial & full).any()
     assert torch.equal(partial | full, record_window_tiles(allowed, w, blk))
     assert allowed.view(2, T // blk, blk, T // blk, blk).all(4).all(2)[full].all()
     expected = (record_window_tiles(allowed, w, blk).repeat_interleave(blk, 1).repeat_interleave(blk, 2) & allowed)
-    assert torch.equal(tg.dense_attention_mask(doc_ids, torch.tensor(w, dtype=torch.int32))[:, 0], expected)
+    assert torch.equal(tg.dense_attention_mask(doc_ids, tiles_of_window)[:, 0], expected)
     # in one long document the window is the query's own block and the w - 1 before it
     single = torch.zeros(1, T, dtype=torch.long)
-    (p_count, _), (f_count, _) = tg.document_blocks(single, torch.tensor(w, dtype=torch.int32))
+    (p_count, _), (f_count, _) = tg.within_window(tg.document_blocks(single), window)
     assert (p_count + f_count)[0, 0].tolist() == [min(qb + 1, max(w, 1)) for qb in range(T // blk)]
 
 
@@ -806,12 +808,13 @@ dl = _load(DOWNLOAD, "data_cached_fineweb10B")
 
 
 def _run(args, env_update=None, unset=(), cwd=None):
+    """python ARGS (a script and its arguments) in a subprocess, its environment updated and unset."""
     env = dict(os.environ)
     env.update(env_update or {})
     for k in unset:
         env.pop(k, None)
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=60)
+                          cwd=cwd, timeout=120)
 
 
 def _split_docs(tokens, bos):
@@ -1574,11 +1577,6 @@ PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10"  # the first bytes 
 ELF = b"\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00>\x00"  # ... and of a Linux executable
 
 
-def _run_tool(args, cwd=None, env=None):
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120,
-                          env={**os.environ, **(env or {})})
-
-
 def assert_one_line(stderr, *words):
     """The rule for bad input: exactly one line on stderr, no traceback, saying what was found."""
     lines = stderr.strip().splitlines()
@@ -1606,7 +1604,7 @@ def _text_files(folder):
     (COMPARE, ["logs/*.txt", "--target", "abc"]),
 ])
 def test_stdlib_tools_usage_errors_are_one_line(tmp_path, script, args):
-    r = _run_tool([script, *args], cwd=tmp_path)
+    r = _run([script, *args], cwd=tmp_path)
     assert r.returncode == 2
     assert_one_line(r.stderr, "error:", "--help")
     assert not list(tmp_path.iterdir()), "nothing written"
@@ -1621,7 +1619,7 @@ def test_tokenize_unwritable_out_dir_is_one_line_exit_1(tmp_path, where):
     inputs = _text_files(tmp_path / "in")
     (tmp_path / "plain").write_text("a regular file")
     out = tmp_path / "plain" / "shards" if where == "under_a_file" else tmp_path / "plain"
-    r = _run_tool([TOKENIZE, *inputs, "--encoding", "bytes", "--out_dir", out, "--name", "t"])
+    r = _run([TOKENIZE, *inputs, "--encoding", "bytes", "--out_dir", out, "--name", "t"])
     assert r.returncode == 1
     assert_one_line(r.stderr, "--out_dir", str(out))
     assert (tmp_path / "plain").read_text() == "a regular file"
@@ -1663,7 +1661,7 @@ def test_tokenize_only_binary_inputs_is_one_line_exit_1(tmp_path):
     (tmp_path / "a.png").write_bytes(PNG)
     (tmp_path / "b.bin").write_bytes(ELF)
     out = tmp_path / "out"
-    r = _run_tool([TOKENIZE, tmp_path / "a.png", tmp_path / "b.bin", "--encoding", "bytes", "--out_dir", out, "--name", "t"])
+    r = _run([TOKENIZE, tmp_path / "a.png", tmp_path / "b.bin", "--encoding", "bytes", "--out_dir", out, "--name", "t"])
     assert r.returncode == 1
     assert_one_line(r.stderr, "binary")
     assert not out.exists() or not any(out.iterdir()), "nothing written"
@@ -1885,13 +1883,12 @@ GERMAN = ("Der Kern verwaltet eine Liste der Aufgaben, die bereit sind, und er w
 
 
 def _run_script(script, *args):
-    return subprocess.run([sys.executable, str(Path(ROOT) / script), *map(str, args)], capture_output=True, text=True,
-                          timeout=120, cwd=Path(ROOT))
+    return _run([Path(ROOT) / script, *args], cwd=ROOT)
 
 
 def assert_one_line_error(res, code):
     assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
-    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert_one_line(res.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ PRESETS = {
 FIELD_HELP = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", inspect.getsource(Hyperparameters), re.MULTILINE))
 
 
+LR_FIELDS = ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")
 FLAGS_GIVEN = set()  # the flags of the last parse_args: a resumed run keeps the checkpoint's rates unless given
 
 
@@ -187,7 +188,7 @@ def check_args(a: Hyperparameters):
     need(a.resume == "" or os.path.isfile(a.resume), f"--resume: no such checkpoint file: {a.resume}")
     need(a.cp_stop_grad in (0, 1) and a.save_checkpoint in (0, 1) and a.overwrite in (0, 1) and a.compile in (-1, 0, 1),
          "--cp_stop_grad, --save_checkpoint and --overwrite must be 0 or 1, --compile -1, 0 or 1")
-    lrs = {f: getattr(a, f) for f in ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")}
+    lrs = {f: getattr(a, f) for f in LR_FIELDS}
     need(all(0 <= v < math.inf for v in lrs.values()), "learning rates must be finite and >= 0: " + ", ".join(
         f"--{k} {v}" for k, v in lrs.items() if not 0 <= v < math.inf))
     need(0 <= a.muon_momentum < 1, "--muon_momentum must lie in [0, 1)")
@@ -480,13 +481,12 @@ def doc_ids_of(input_ids, bos_id):
     return (input_ids == bos_id).cumsum(-1)
 
 
-def document_blocks(doc_ids, window_blocks=None, all_partial=False):
+def document_blocks(doc_ids, all_partial=False):
     """Which 128 x 128 (query block, key block) tiles attention visits, from the document boundaries alone
     (never by testing every (query, key) pair): 'full' tiles hold only causal same-document pairs, 'partial'
-    ones some (the mask runs inside them). With window_blocks w (a tensor, so a new size does not recompile),
-    each query block keeps its nearest w tiles as the record does: at most w - 1 full ones and at least its
-    own diagonal tile. all_partial: every visited tile is partial (for masks that test more than documents).
-    Returns (partial, full), each (counts (B, 1, nb), indices (B, 1, nb, nb)) with the nearest tile first."""
+    ones some (the mask runs inside them). all_partial: every visited tile is partial (for masks that test
+    more than documents). Returns (partial, full), each (counts (B, 1, nb), indices (B, 1, nb, nb)) with the
+    nearest tile first, as FlexAttention's BlockMask takes them; within_window cuts them to a window."""
     B, T = doc_ids.shape
     nb = -(-T // BLOCK)
     padded = F.pad(doc_ids, (0, nb * BLOCK - T), value=-1)  # pads only the dense path's odd lengths
@@ -503,38 +503,45 @@ def document_blocks(doc_ids, window_blocks=None, all_partial=False):
     def nearest_first(blocks):
         counts = blocks.sum(-1, dtype=torch.int32)
         order = torch.where(blocks, kb, -1).sort(dim=-1, descending=True).indices
-        return counts, order.to(torch.int32)
+        return counts[:, None].contiguous(), order.to(torch.int32)[:, None].contiguous()
 
-    (p_count, p_index), (f_count, f_index) = nearest_first(partial), nearest_first(full)
-    if window_blocks is not None:
-        p_count = torch.minimum(p_count, (window_blocks - f_count).clamp_min(1))
-        f_count = torch.minimum(f_count, (window_blocks - 1).clamp_min(0))
-    return (p_count[:, None].contiguous(), p_index[:, None].contiguous()), \
-        (f_count[:, None].contiguous(), f_index[:, None].contiguous())
+    return nearest_first(partial), nearest_first(full)
 
 
-def document_block_mask(doc_ids, mask_mod, window_blocks=None, all_partial=False):
-    """FlexAttention BlockMask from document_blocks; mask_mod runs inside the partial tiles."""
-    partial, full = document_blocks(doc_ids, window_blocks, all_partial)
+def within_window(tiles, window_blocks=None):
+    """The tiles of a sliding window of window_blocks blocks (a tensor, so a new size does not recompile):
+    each query block keeps its nearest ones as the record does, at most w - 1 full ones and at least its own
+    diagonal tile. None: all of them."""
+    if window_blocks is None:
+        return tiles
+    (p_count, p_index), (f_count, f_index) = tiles
+    p_count = torch.minimum(p_count, (window_blocks - f_count).clamp_min(1))
+    f_count = torch.minimum(f_count, (window_blocks - 1).clamp_min(0))
+    return (p_count, p_index), (f_count, f_index)
+
+
+def document_block_mask(tiles, mask_mod):
+    """FlexAttention BlockMask of the given tiles; mask_mod runs inside the partial ones."""
+    partial, full = tiles
     return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=BLOCK, mask_mod=mask_mod)
 
 
-def flex_document_mask(doc_ids, window_blocks=None):
+def flex_document_mask(doc_ids, tiles):
     def document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
-    return document_block_mask(doc_ids, document_causal, window_blocks)
+    return document_block_mask(tiles, document_causal)
 
 
-def dense_attention_mask(doc_ids, window_blocks=None):
-    """(B, 1, T, T) bool: exactly the pairs flex_document_mask lets through, for the SDPA path."""
+def dense_attention_mask(doc_ids, tiles):
+    """(B, 1, T, T) bool: exactly the pairs flex_document_mask lets through with these tiles, for SDPA."""
     T = doc_ids.size(-1)
-    tiles = []
-    for counts, indices in document_blocks(doc_ids, window_blocks):
+    visited = []
+    for counts, indices in tiles:
         nb = indices.size(-1)
         kept = torch.arange(nb, device=doc_ids.device) < counts[..., None]  # (B, 1, nb, nb) in list order
-        tiles.append(torch.zeros_like(kept).scatter_(-1, indices.long(), kept))  # back to block order
-    visited = (tiles[0] | tiles[1])[:, 0].repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :T, :T]
+        visited.append(torch.zeros_like(kept).scatter_(-1, indices.long(), kept))  # back to block order
+    visited = (visited[0] | visited[1])[:, 0].repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :T, :T]
     pos = torch.arange(T, device=doc_ids.device)
     causal_same_doc = (pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :])
     return (visited & causal_same_doc)[:, None]
@@ -684,11 +691,11 @@ class GPT(nn.Module):
         sliding window in 128-token blocks (an int32 tensor), short layers use half; None: whole documents."""
         c = self.config
         doc_ids = doc_ids_of(input_ids, c.bos_id)
+        tiles = document_blocks(doc_ids)  # once; the long and short windows each keep their nearest tiles
         short_blocks = None if window_blocks is None else window_blocks // 2
-        if self.attention_backend == "flex":
-            long, short = flex_document_mask(doc_ids, window_blocks), flex_document_mask(doc_ids, short_blocks)
-        else:
-            long, short = dense_attention_mask(doc_ids, window_blocks), dense_attention_mask(doc_ids, short_blocks)
+        make_mask = flex_document_mask if self.attention_backend == "flex" else dense_attention_mask
+        long = make_mask(doc_ids, within_window(tiles, window_blocks))
+        short = long if window_blocks is None else make_mask(doc_ids, within_window(tiles, short_blocks))
         ve = [emb(input_ids) for emb in self.value_embeds]
         ve = ve + [None] * (c.num_layers - 2 * len(ve)) + ve
         x = x0 = norm(self.embed(input_ids))
@@ -798,8 +805,8 @@ def copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk=512
             hit = input_ids[b, kv_idx] == target_ids[b, q_idx]
             return same & (hit | (~copyable[b, q_idx] & (q_idx == kv_idx)))
 
-        doc_mask = flex_document_mask(doc_ids)
-        match_mask = document_block_mask(doc_ids, match_mod, all_partial=True)
+        doc_mask = flex_document_mask(doc_ids, document_blocks(doc_ids))
+        match_mask = document_block_mask(document_blocks(doc_ids, all_partial=True), match_mod)
         # the value is k (unused): only the LSEs, with their gradients, enter the loss
         _, doc_aux = flex_attention(q4, k4, k4, block_mask=doc_mask, scale=scale, return_aux=AuxRequest(lse=True))
         _, match_aux = flex_attention(q4, k4, k4, block_mask=match_mask, scale=scale, return_aux=AuxRequest(lse=True))
@@ -1107,7 +1114,6 @@ def evaluate(model, val_tokens, a: Hyperparameters, window_blocks, rank, world_s
     return out
 
 
-LR_FIELDS = ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")
 SHAPE_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "no_attention_layer", "cplm", "cp_dim",
                 "cp_optimizer")  # a checkpoint only fits a run that agrees on these
 
