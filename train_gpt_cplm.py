@@ -1095,22 +1095,27 @@ def evaluate(model, val_tokens, a: Hyperparameters, window_blocks, rank, world_s
     plus the copy diagnostics. The same numbers for every world size."""
     model.eval()
     num_rows = a.val_tokens // a.val_seq_len
-    # sums over tokens: nll, count, copyable count, nll on copyable, lam, c, s
-    sums = torch.zeros(7, dtype=torch.float64, device=device)
+    # sums over tokens: nll, count, copyable count, nll on copyable, lam, c, s, and on the other targets
+    # (nothing to copy) lam and the gate's cost -log(1 - lam): what CPLM pays there for keeping the copy path open
+    sums = torch.zeros(9, dtype=torch.float64, device=device)
     for i in range(rank, num_rows, world_size):
         row = val_tokens[i * a.val_seq_len:(i + 1) * a.val_seq_len + 1].to(device)
         stats = model(row[None, :-1], row[None, 1:], window_blocks, token_stats=True)
         nll, copyable = stats["nll"].double(), stats["copyable"]
         gates = [stats[g].double().sum() if g in stats else nll.new_zeros(()) for g in ("lam", "c", "s")]
+        lam = stats["lam"].double() if "lam" in stats else torch.zeros_like(nll)
+        other = ~copyable
         sums += torch.stack([nll.sum(), nll.new_tensor(nll.numel()), copyable.sum().double(),
-                             (nll * copyable).sum(), *gates])
+                             (nll * copyable).sum(), *gates, (lam * other).sum(), -(torch.log1p(-lam) * other).sum()])
     all_reduce_sum(sums, world_size)
     model.train()
-    total, count, n_copy, nll_copy, lam, c, s = sums.tolist()
+    total, count, n_copy, nll_copy, lam, c, s, lam_other, gate_cost_other = sums.tolist()
+    n_other = max(count - n_copy, 1)
     out = {"val_loss": total / count, "copy_share": n_copy / count,
-           "nll_copyable": nll_copy / max(n_copy, 1), "nll_other": (total - nll_copy) / max(count - n_copy, 1)}
+           "nll_copyable": nll_copy / max(n_copy, 1), "nll_other": (total - nll_copy) / n_other}
     if a.cplm:
-        out.update(lam=lam / count, c=c / count, s=s / count)
+        out.update(lam=lam / count, c=c / count, s=s / count, lam_other=lam_other / n_other,
+                   gate_cost_other=gate_cost_other / n_other)
     return out
 
 

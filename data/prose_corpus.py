@@ -54,12 +54,13 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tokenize_corpus import (InputError, OneLineParser, OutputError, is_val,  # noqa: E402
+from tokenize_corpus import (ByteEncoding, InputError, OneLineParser, OutputError, is_val,  # noqa: E402
                              read_shard_header, tokenize_corpus)
 
 HERE = Path(os.path.relpath(Path(__file__).resolve().parent))  # relative: logs name no machine's paths
 DEFAULT_WORK = HERE / "prose"          # debs/, root/, docs/ (git-ignored)
 BOS_TOKEN = "<|bos|>"
+BYTE_VOCAB = 257                       # --vocab_sizes 257: UTF-8 bytes and BOS, no tokenizer
 CACHE_VERSION = 1                      # bump when a reader's output changes, to invalidate the caches
 TARGET_TOKENS, TARGET_VAL_TOKENS, TARGET_VAL_DOCS = 20_000_000, 1_000_000, 300
 
@@ -558,6 +559,19 @@ class HFEncoding:
         return self.tok.decode([i for i in ids if i != self.eot_token])
 
 
+class ProseBytes(ByteEncoding):
+    """UTF-8 bytes (vocabulary 257, BOS 256): the byte-level control, `--vocab_sizes 257`. No tokenizer is
+    trained; `lengths` as HFEncoding's."""
+
+    def __init__(self):
+        self.lengths = []
+
+    def encode_to_array(self, text):
+        ids = super().encode_to_array(text)
+        self.lengths.append(len(ids))
+        return ids
+
+
 def load_or_train_tokenizer(out_dir, vocab_size, train_texts, train_fp, threads, log=print):
     """data/prose<V>/tokenizer.json, retrained unless meta.json records the same train documents and V."""
     tk = _tokenizers()
@@ -621,8 +635,10 @@ def build(work=DEFAULT_WORK, out_base=HERE, vocab_sizes=(8192,), sources=SOURCE_
     for V in vocab_sizes:
         out_dir = Path(out_base) / f"prose{V}"
         log(f"\nvocabulary {V}: {out_dir.name}/")
-        tok = load_or_train_tokenizer(out_dir, V, train_texts, train_fp, threads, log)
-        enc = HFEncoding(tok, f"bpe{V}")
+        if V == BYTE_VOCAB:
+            enc = ProseBytes()
+        else:
+            enc = HFEncoding(load_or_train_tokenizer(out_dir, V, train_texts, train_fp, threads, log), f"bpe{V}")
         res = tokenize_corpus((t for _, _, t in docs), enc, out_dir, f"prose{enc.n_vocab}",
                               val_fraction=val_fraction, seed=seed, num_threads=threads, log=lambda m: log("  " + m))
         assert res["docs"]["val"] == sum(flags), "the shards' split differs from the tokenizer's train split"
@@ -672,7 +688,8 @@ def parse_args(argv=None):
     p = OneLineParser(description="Build the English prose corpus, its BPE tokenizers and shards "
                                   "(run through bash data/build_prose_corpus.sh, which downloads the packages).")
     p.add_argument("--vocab_sizes", type=_int_list, default=[8192],
-                   help="comma-separated vocabulary sizes, BOS included (default 8192; e.g. 2048,8192,32768)")
+                   help="comma-separated vocabulary sizes, BOS included (default 8192; e.g. 2048,8192,32768; "
+                        "257: UTF-8 bytes, no tokenizer)")
     p.add_argument("--work_dir", default=str(DEFAULT_WORK),
                    help="folder with root/ (unpacked packages) and docs/ (document cache); default data/prose")
     p.add_argument("--out_base", default=str(HERE), help="shards go to OUT_BASE/prose<V>/ (default: data/)")
@@ -687,9 +704,10 @@ def parse_args(argv=None):
     p.add_argument("--list_packages", action="store_true",
                    help="print the Debian packages, one line per needed package: SOURCE ALTERNATIVE|ALTERNATIVE... (and exit)")
     args = p.parse_args(argv)
-    bad = [v for v in args.vocab_sizes if not 512 <= v <= 2**20]
+    bad = [v for v in args.vocab_sizes if not (512 <= v <= 2**20 or v == BYTE_VOCAB)]
     if bad:
-        p.error(f"--vocab_sizes must lie in [512, 1048576] (256 byte tokens + merges + BOS), got {bad[0]}")
+        p.error(f"--vocab_sizes must be 257 (bytes) or lie in [512, 1048576] (256 byte tokens + merges + BOS), "
+                f"got {bad[0]}")
     srcs = [s.strip() for s in args.sources.split(",") if s.strip()]
     unknown = [s for s in srcs if s not in SOURCE_NAMES]
     if unknown or not srcs:

@@ -1,4 +1,5 @@
-"""The real-text race on CPU: vanilla vs CPLM on the Python standard library's source (GPT-2 BPE, V >> D).
+"""CPU races of vanilla against CPLM: English prose at the paper's V/D (`--study prose`), and the first race,
+on the Python standard library's source (GPT-2 BPE, V >> D), kept for its records.
 
     python experiments/race.py [--jobs 2] [--seeds 0,1,2] [--only NAME,...] [--out records/race]
 
@@ -11,7 +12,10 @@ seed a separate run (one thread each, --jobs at a time), logs in OUT/logs/:
 Then writes OUT/summary.txt (records/compare.py per attention type, convergence ratio against vanilla's
 final val loss) and OUT/{full,sw,bytes}.png. Runs whose log already ends with a final line are not run
 again. `--study gate` runs GATE_CONFIGS instead (records/gate_init): the choice of optimizer and gate start.
-`--study prose` runs PROSE_CONFIGS (records/prose_race): the race on English prose at the paper's V/D.
+`--study prose` (records/prose_race) is the race on English prose at the paper's V/D, the one to read:
+    python experiments/race.py --study prose --stage sweep --seeds 0     # 3 learning-rate scales x 2 modes
+    python experiments/race.py --study prose --stage rows --seeds 0,1,2  # every row at the best scales
+and writes OUT/summary.md (experiments/race_report.py). Its rows are described at PROSE_ROWS below.
 """
 import argparse
 import os
@@ -46,11 +50,27 @@ RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens
 
 # `--study prose`: English prose (data/build_prose_corpus.sh) with its own BPE of V = 8192 at D = 128
 # (V/D = 64, inside the paper's 24-85), 1000 steps, validation every 50 (5%) on 32Ki tokens in rows as long as
-# the training rows. Both modes get the same sweep of learning-rate scales (every rate times the scale,
-# seed 0); the headline then runs each mode's best scale on 3 seeds. The gate starts closed (the default);
-# prose_cplm_open_* starts it half open, a separate row.
-PROSE = ["--train_files", "data/prose8192/prose8192_train_*.bin", "--val_files", "data/prose8192/prose8192_val_*.bin",
-         "--val_seq_len", "1024", "--num_iterations", "1000", "--val_loss_every", "50", "--val_tokens", "32768"]
+# the training rows. In two stages:
+#   --stage sweep: both modes get the same sweep of learning-rate scales (every rate times the scale, seed 0);
+#   --stage rows:  each mode's best scale (lowest final val loss of the sweep) on every seed (the headline),
+#                  then the other rows on every seed at the best scale of their mode (CPLM's for CPLM rows):
+#                  the open gate (c = 0.5 at step 0; the headline starts closed, c = 1/V), the stop-gradient
+#                  ablation, the V/D study (BPE of 2048 and 32768 at the same D: V/D = 16 and 256 next to the
+#                  headline's 64) and the byte-level control (V = 257 at D = 256: no bottleneck).
+# The other rows are not swept themselves: a skeptic may say their best scale could differ.
+PROSE_BUDGET = ["--val_seq_len", "1024", "--num_iterations", "1000", "--val_loss_every", "50", "--val_tokens", "32768",
+                "--compile", "1",  # inductor on CPU: a CPLM step 1.55 -> 1.1 s (one thread), after ~1 min compiling
+                # checkpoints at 10%, 20%, ... of training for the mechanism studies (logs/<run_id>/, git-ignored
+                # *.pt; step 0 is the seed's initialisation)
+                "--checkpoint_every", "100", "--keep_checkpoints", "10"]
+
+
+def prose_data(vocab):
+    return ["--train_files", f"data/prose{vocab}/prose{vocab}_train_*.bin",
+            "--val_files", f"data/prose{vocab}/prose{vocab}_val_*.bin"]
+
+
+PROSE = prose_data(8192) + PROSE_BUDGET
 CPU_LRS = {"lr_embed": 0.6, "lr_head": 0.008, "lr_scalar": 0.04, "lr_muon": 0.04, "lr_cp": 0.008}  # the cpu preset's
 LR_SCALES = ("0.5", "1", "2")
 
@@ -59,10 +79,53 @@ def scaled_lrs(scale):
     return [x for name, lr in CPU_LRS.items() for x in (f"--{name}", f"{lr * float(scale):g}")]
 
 
-PROSE_CONFIGS = {f"prose_{mode}_lr{scale}": ["--cplm", str(cplm), *scaled_lrs(scale), *PROSE]
-                 for scale in LR_SCALES for mode, cplm in (("vanilla", 0), ("cplm", 1))}
-PROSE_CONFIGS.update({f"prose_cplm_open_lr{scale}": ["--cplm", "1", "--copy_gate_init", "0.5", *scaled_lrs(scale),
-                                                     *PROSE] for scale in LR_SCALES})
+# row -> (mode whose best scale it uses, flags); the headline rows come first
+PROSE_ROWS = {
+    "vanilla": ("vanilla", ["--cplm", "0"] + PROSE),
+    "cplm": ("cplm", ["--cplm", "1"] + PROSE),
+    "cplm_open": ("cplm", ["--cplm", "1", "--copy_gate_init", "0.5"] + PROSE),
+    "cplm_stopgrad": ("cplm", ["--cplm", "1", "--cp_stop_grad", "1"] + PROSE),
+    **{f"v{V}_{mode}": (mode, ["--cplm", str(int(mode == "cplm"))] + prose_data(V) + PROSE_BUDGET)
+       for V in (2048, 32768) for mode in ("vanilla", "cplm")},
+    **{f"bytes_{mode}": (mode, ["--cplm", str(int(mode == "cplm")), "--model_dim", "256", "--num_heads", "4"]
+                         + prose_data(257) + PROSE_BUDGET) for mode in ("vanilla", "cplm")},
+}
+PROSE_CONFIGS = {f"prose_{row}_lr{scale}": [*flags[:2], *scaled_lrs(scale), *flags[2:]]
+                 for row, (_, flags) in PROSE_ROWS.items() for scale in LR_SCALES}
+PROSE_SWEEP = [f"prose_{mode}_lr{scale}" for scale in LR_SCALES for mode in ("vanilla", "cplm")]
+
+
+def final_val_loss(log_path):
+    """The final val loss of a finished run's log, else None."""
+    if not finished(log_path):
+        return None
+    line = [x for x in open(log_path).read().splitlines() if x.startswith("final val_loss:")][-1]
+    return float(line.split()[1].split(":")[1])
+
+
+def best_scales(log_dir):
+    """{mode: its learning-rate scale with the lowest seed-0 final val loss in the sweep}; a one-line error
+    (ValueError) while a sweep run is missing."""
+    best = {}
+    for mode in ("vanilla", "cplm"):
+        losses = {s: final_val_loss(os.path.join(ROOT, log_dir, f"prose_{mode}_lr{s}_s0.txt")) for s in LR_SCALES}
+        missing = [s for s, loss in losses.items() if loss is None]
+        if missing:
+            raise ValueError(f"the sweep is not finished (prose_{mode}_lr{missing[0]}_s0): run --stage sweep first")
+        best[mode] = min(losses, key=losses.get)
+    return best
+
+
+def prose_queue(stage, log_dir, seeds, only):
+    """The (configuration, seed) pairs of a stage, in the order they should run."""
+    if stage == "sweep":
+        return [(name, "0") for name in PROSE_SWEEP if not only or name in only]
+    best = best_scales(log_dir)
+    rows = [row for row in PROSE_ROWS if not only or row in only]
+    names = {row: f"prose_{row}_lr{best[PROSE_ROWS[row][0]]}" for row in rows}
+    headline = [r for r in rows if r in ("vanilla", "cplm")]
+    return ([(names[r], s) for r in headline for s in seeds]
+            + [(names[r], s) for s in seeds for r in rows if r not in headline])
 
 
 def ensure_corpora():
@@ -93,6 +156,8 @@ def main(argv=None):
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--only", default="", help="comma list of configuration names")
     p.add_argument("--study", choices=["race", "gate", "prose"], default="race")
+    p.add_argument("--stage", choices=["sweep", "rows"], default="sweep",
+                   help="--study prose: the learning-rate sweep, or every row at each mode's best scale")
     p.add_argument("--out", default=None, help="default records/race, records/gate_init or records/prose_race")
     p.add_argument("extra", nargs="*", help="more train_gpt_cplm flags for every run, after --")
     args = p.parse_args(argv)
@@ -103,29 +168,43 @@ def main(argv=None):
     if args.study == "gate":
         args.seeds = "0"
     # check the command line before the corpora are built (minutes) and runs started
-    unknown = [n for n in names if n not in configs]
+    choices = PROSE_ROWS if args.study == "prose" and args.stage == "rows" else (
+        PROSE_SWEEP if args.study == "prose" else configs)
+    unknown = [n for n in (args.only.split(",") if args.only else []) if n not in choices]
     if unknown:
-        p.error(f"--only: unknown configuration(s) {', '.join(unknown)} for --study {args.study}; "
-                f"choose from {', '.join(configs)}")
+        p.error(f"--only: unknown name(s) {', '.join(unknown)} for --study {args.study}"
+                f"{' --stage ' + args.stage if args.study == 'prose' else ''}; choose from {', '.join(choices)}")
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1 (got {args.jobs})")
     if not all(s.strip().isdigit() for s in args.seeds.split(",")):
         p.error(f"--seeds must be integers separated by commas (got {args.seeds!r})")
     if args.study == "prose":
-        if not os.path.exists(os.path.join(ROOT, "data/prose8192/prose8192_val_000000.bin")):
-            print("race.py: error: no prose corpus: build it with `bash data/build_prose_corpus.sh`", file=sys.stderr)
-            return 1
+        for vocab in (8192, 2048, 32768, 257):
+            if not os.path.exists(os.path.join(ROOT, f"data/prose{vocab}/prose{vocab}_val_000000.bin")):
+                print(f"race.py: error: no prose corpus of V = {vocab}: build them with "
+                      "`bash data/build_prose_corpus.sh --vocab_sizes 257,2048,8192,32768`", file=sys.stderr)
+                return 1
     else:
         rc = ensure_corpora()
         if rc:
             return rc
+    seeds = [s.strip() for s in args.seeds.split(",")]
+    if args.study == "prose":
+        try:
+            pairs = prose_queue(args.stage, log_dir, seeds, args.only.split(",") if args.only else [])
+        except ValueError as e:
+            print(f"race.py: error: {e}", file=sys.stderr)
+            return 1
+    else:
+        pairs = [(name, seed) for name in names for seed in seeds[:SEEDS_OF.get(name, 99)]]
     queue = []
-    for name in names:
-        for seed in args.seeds.split(",")[:SEEDS_OF.get(name, 99)]:
-            run_id = f"{name}_s{seed}"
-            if not finished(os.path.join(ROOT, log_dir, run_id + ".txt")):
-                queue.append([sys.executable, "train_gpt_cplm.py", "--preset", "cpu", *configs[name], "--seed", seed,
-                              "--run_id", run_id, "--log_dir", log_dir, *RACE_FLAGS, *args.extra])
+    for name, seed in pairs:
+        run_id = f"{name}_s{seed}"
+        if not finished(os.path.join(ROOT, log_dir, run_id + ".txt")):
+            # the prose study sets its own budget; RACE_FLAGS after it would cut it to 100 steps
+            budget = [] if args.study == "prose" else RACE_FLAGS
+            queue.append([sys.executable, "train_gpt_cplm.py", "--preset", "cpu", *budget, *configs[name],
+                          "--seed", seed, "--run_id", run_id, "--log_dir", log_dir, *args.extra])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     running = []
     t0 = time.time()
@@ -144,10 +223,11 @@ def main(argv=None):
 
 
 def summarize(out, study):
+    if study == "prose":
+        return summarize_prose(out)
     compare = [sys.executable, "records/compare.py"]
     lines = []
-    groups = {"race": [("full", "cplm=0"), ("sw", "cplm=0"), ("bytes", "cplm=0")], "gate": [("gate", None)],
-              "prose": [("prose", None)]}[study]
+    groups = {"race": [("full", "cplm=0"), ("sw", "cplm=0"), ("bytes", "cplm=0")], "gate": [("gate", None)]}[study]
     for prefix, reference in groups:
         cmd = compare + [f"{out}/logs/{prefix}_*.txt", "--plot", f"{out}/{prefix}.png"]
         cmd += ["--target_from", reference] if reference else []
@@ -155,6 +235,36 @@ def summarize(out, study):
         lines += [f"$ {' '.join(cmd[1:])}", res.stdout + res.stderr]
     open(os.path.join(ROOT, out, "summary.txt"), "w").write("\n".join(lines))
     print("\n".join(lines))
+
+
+# the prose study's rows as (row, vanilla row, CPLM row) for experiments/race_report.py
+PROSE_PAIRS = [("headline", "vanilla", "cplm"), ("open gate", "vanilla", "cplm_open"),
+               ("stop-gradient", "vanilla", "cplm_stopgrad"), ("V = 2048 (V/D = 16)", "v2048_vanilla", "v2048_cplm"),
+               ("V = 32768 (V/D = 256)", "v32768_vanilla", "v32768_cplm"),
+               ("bytes (V = 257, D = 256)", "bytes_vanilla", "bytes_cplm")]
+
+
+def summarize_prose(out):
+    """OUT/summary.md: the sweep and every row with finished runs of both of its modes (race_report.py)."""
+    cmd = [sys.executable, "experiments/race_report.py", f"{out}/logs", "--sweep", "prose_vanilla_lr,prose_cplm_lr"]
+    try:
+        best = best_scales(os.path.join(out, "logs"))
+    except ValueError:
+        best = None
+    plots = []
+    for name, vanilla, cplm in PROSE_PAIRS if best else []:
+        v, c = (f"prose_{row}_lr{best[PROSE_ROWS[row][0]]}" for row in (vanilla, cplm))
+        if finished(os.path.join(ROOT, out, "logs", v + "_s0.txt")) and finished(os.path.join(ROOT, out, "logs", c + "_s0.txt")):
+            cmd += ["--pair", f"{name}={v}:{c}"]
+            # the curves, mean over seeds (compare.py groups the runs by their hyperparameters)
+            plots.append([sys.executable, "records/compare.py", f"{out}/logs/{v}_s*.txt", f"{out}/logs/{c}_s*.txt",
+                          "--target_from", "cplm=0", "--plot", f"{out}/{cplm}.png"])
+    cmd += ["--out", f"{out}/summary.md"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(res.stdout + res.stderr)
+    for plot in plots:
+        subprocess.run(plot, cwd=ROOT, capture_output=True)
+    return res.returncode
 
 
 if __name__ == "__main__":

@@ -1,0 +1,222 @@
+"""The headline table of a CPU race: vanilla against CPLM, group against group, over seeds.
+
+    python experiments/race_report.py LOG_DIR --pair ROW=VANILLA_PREFIX:CPLM_PREFIX [--pair ...]
+        [--fractions 0.25,0.5,1] [--out TABLE.md]
+    python experiments/race_report.py LOG_DIR --sweep PREFIX_vanilla_lr,PREFIX_cplm_lr
+
+A group is every log LOG_DIR/<prefix>_s<seed>.txt. For each pair (a row) it reports:
+- final val loss of each mode, mean +- std over seeds;
+- the gap at equal steps (vanilla minus CPLM: > 0 means CPLM is lower) at the given fractions of training,
+  mean +- std of the per-seed differences where both modes ran the same seeds (same data order, so paired),
+  and the one-sided p-value of "the gap is > 0" (paired t-test; Welch's t-test when the seeds differ);
+- steps to targets: the targets are vanilla's mean val-loss curve (over seeds) at those fractions of its
+  training (the last one is its final loss). Vanilla's steps are the first crossing of its mean curve, CPLM's
+  the first crossing of each seed's curve (mean +- std), both interpolated linearly between evaluations; the
+  ratio is CPLM's over vanilla's (< 1: CPLM gets there sooner);
+- at the last evaluation: the NLL on copyable targets (the target occurs earlier in its document) and on
+  the others, for both modes, and CPLM's mean gate lambda (share of probability on the copy path).
+`--sweep` prints the final val loss of every learning-rate scale of each mode (seed 0), the basis of the
+choice of each mode's best scale.
+"""
+import argparse
+import glob
+import math
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "records"))
+import compare  # noqa: E402  (records/compare.py: log parsing and the t distribution)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def load_group(log_dir, prefix):
+    """{seed: parsed log} of the finished runs LOG_DIR/<prefix>_s<seed>.txt."""
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, f"{glob.escape(prefix)}_s*.txt"))):
+        m = re.fullmatch(re.escape(prefix) + r"_s(\d+)\.txt", os.path.basename(path))
+        if not m:
+            continue
+        log = compare.parse_log(path)
+        if log["val"][-1]["step"] == log["val"][-1]["total"]:  # finished runs only
+            runs[int(m.group(1))] = log
+    return runs
+
+
+def loss_at(log, step):
+    """Val loss at `step`, interpolated linearly between the two evaluations around it."""
+    val = log["val"]
+    for prev, cur in zip(val, val[1:]):
+        if prev["step"] <= step <= cur["step"]:
+            frac = (step - prev["step"]) / (cur["step"] - prev["step"])
+            return prev["loss"] + frac * (cur["loss"] - prev["loss"])
+    return val[-1]["loss"] if step >= val[-1]["step"] else val[0]["loss"]
+
+
+def mean_curve(logs):
+    """The seeds' mean val-loss curve, as a log with only "val" (the runs share their evaluation steps)."""
+    runs = list(logs.values())
+    steps = [v["step"] for v in runs[0]["val"]]
+    if any([v["step"] for v in log["val"]] != steps for log in runs):
+        raise compare.LogError("the runs of a group were evaluated at different steps")
+    return {"val": [dict(step=s, time_ms=0, loss=sum(log["val"][i]["loss"] for log in runs) / len(runs))
+                    for i, s in enumerate(steps)]}
+
+
+def steps_to(log, target):
+    crossing = compare.target_crossing(log["val"], target)
+    return crossing["interp_step"] if crossing else None
+
+
+def gap_test(vanilla, cplm, values, cplm_values=None):
+    """Mean +- std of vanilla - CPLM of values(log) (cplm_values(log) for CPLM's logs, if given) over seeds
+    and the one-sided p of "gap > 0": paired over the common seeds when both modes ran the same seeds, else
+    Welch's two-sample test."""
+    cplm_values = cplm_values or values
+    common = sorted(set(vanilla) & set(cplm))
+    if common and len(common) == len(vanilla) == len(cplm):
+        diffs = [values(vanilla[s]) - cplm_values(cplm[s]) for s in common]
+        m, sd = compare.mean_std(diffs)
+        if sd is None:
+            return m, None, None
+        if sd == 0:
+            return m, sd, 0.0 if m > 0 else 1.0
+        return m, sd, compare.students_t_sf(m / (sd / math.sqrt(len(diffs))), len(diffs) - 1)
+    a, b = [values(x) for x in vanilla.values()], [cplm_values(x) for x in cplm.values()]
+    (ma, sa), (mb, sb) = compare.mean_std(a), compare.mean_std(b)
+    if sa is None or sb is None:
+        return ma - mb, None, None
+    va, vb = sa * sa / len(a), sb * sb / len(b)
+    if va + vb == 0:
+        return ma - mb, 0.0, 0.0 if ma > mb else 1.0
+    df = (va + vb) ** 2 / (va * va / (len(a) - 1) + vb * vb / (len(b) - 1))
+    sd_of_diff = math.sqrt(sa * sa + sb * sb)  # the spread of one seed's difference, comparable to the paired std
+    return ma - mb, sd_of_diff, compare.students_t_sf((ma - mb) / math.sqrt(va + vb), df)
+
+
+def pm(m, sd, spec=".3f"):
+    if m is None:
+        return "-"
+    return f"{m:{spec}}" + (f" +- {sd:{spec}}" if sd is not None else "")
+
+
+def p_str(p):
+    return "-" if p is None else (f"{p:.1e}" if p < 1e-3 else f"{p:.3f}")
+
+
+def last_diag(log, key):
+    diags = [d for d in log["diagnostics"] if key in d]
+    return diags[-1][key] if diags else None
+
+
+def mean_of(logs, fn):
+    values = [fn(x) for x in logs.values()]
+    return compare.mean_std([v for v in values if v is not None]) if all(v is not None for v in values) else (None, None)
+
+
+def row_report(name, vanilla, cplm, fractions):
+    total = vanilla[min(vanilla)]["val"][-1]["total"]
+    lines = [f"### {name}: vanilla seeds {sorted(vanilla)}, CPLM seeds {sorted(cplm)}, {total} steps", ""]
+    lines += ["| | vanilla | CPLM | vanilla - CPLM | p (gap > 0) |", "|---|---|---|---|---|"]
+    for frac in fractions:
+        step = round(frac * total)
+        m, sd, p = gap_test(vanilla, cplm, lambda log: loss_at(log, step))
+        lines.append(f"| val loss at step {step} | {pm(*mean_of(vanilla, lambda log: loss_at(log, step)))} | "
+                     f"{pm(*mean_of(cplm, lambda log: loss_at(log, step)))} | {pm(m, sd)} | {p_str(p)} |")
+    for key, label in (("nll_copyable", "final NLL, copyable targets"), ("nll_other", "final NLL, other targets")):
+        m, sd, p = gap_test(vanilla, cplm, lambda log: last_diag(log, key))
+        lines.append(f"| {label} | {pm(*mean_of(vanilla, lambda log: last_diag(log, key)))} | "
+                     f"{pm(*mean_of(cplm, lambda log: last_diag(log, key)))} | {pm(m, sd)} | {p_str(p)} |")
+    lines.append(f"| final mean gate lambda | | {pm(*mean_of(cplm, lambda log: last_diag(log, 'lam')))} | | |")
+    if all(last_diag(log, "gate_cost_other") is not None for log in cplm.values()):
+        # on a target with nothing to copy CPLM's NLL is -log(1 - lambda) - log p_LM(y | not <copy>): the gate's
+        # cost plus the LM head's own loss, which compares with vanilla's NLL there
+        lm_own = lambda log: last_diag(log, "nll_other") - last_diag(log, "gate_cost_other")  # noqa: E731
+        lines.append(f"| other targets: lambda | | {pm(*mean_of(cplm, lambda log: last_diag(log, 'lam_other')))} | | |")
+        lines.append(f"| other targets: gate cost -log(1 - lambda) | | "
+                     f"{pm(*mean_of(cplm, lambda log: last_diag(log, 'gate_cost_other')))} | | |")
+        m, sd, p = gap_test(vanilla, cplm, lambda log: last_diag(log, "nll_other"), lm_own)
+        lines.append(f"| other targets: LM head's own NLL (CPLM: NLL - gate cost) | "
+                     f"{pm(*mean_of(vanilla, lambda log: last_diag(log, 'nll_other')))} | "
+                     f"{pm(*mean_of(cplm, lm_own))} | {pm(m, sd)} | {p_str(p)} |")
+    lines.append(f"| copy share of val targets | {pm(*mean_of(vanilla, lambda log: last_diag(log, 'copy_share')))} |"
+                 " | | |")
+    lines += ["", "| target (vanilla's mean loss at) | target | vanilla steps | CPLM steps | CPLM / vanilla |",
+              "|---|---|---|---|---|"]
+    vanilla_mean = mean_curve(vanilla)
+    for frac in fractions:
+        step = round(frac * total)
+        target = loss_at(vanilla_mean, step)
+        v_steps = steps_to(vanilla_mean, target)
+        c_steps = [steps_to(log, target) for log in cplm.values()]
+        if None in c_steps:
+            c_cell, ratio = f"{sum(s is not None for s in c_steps)}/{len(c_steps)} seeds reach it", None
+        else:
+            c_mean, c_sd = compare.mean_std(c_steps)
+            c_cell, ratio = pm(c_mean, c_sd, ".0f"), c_mean / v_steps
+        lines.append(f"| step {step} | {target:.4f} | {v_steps:.0f} | {c_cell} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+    return lines
+
+
+def sweep_report(log_dir, prefixes):
+    lines = ["| run | final val loss (seed 0) |", "|---|---|"]
+    for prefix in prefixes:
+        for path in sorted(glob.glob(os.path.join(log_dir, f"{glob.escape(prefix)}*_s0.txt"))):
+            log = compare.parse_log(path)
+            done = log["val"][-1]["step"] == log["val"][-1]["total"]
+            lines.append(f"| {os.path.basename(path)[:-4]} | {log['val'][-1]['loss']:.4f}"
+                         f"{'' if done else ' (unfinished, step %d)' % log['val'][-1]['step']} |")
+    return lines
+
+
+def main(argv=None):
+    p = OneLineParser(prog="race_report.py", description=__doc__.splitlines()[0])
+    p.add_argument("log_dir")
+    p.add_argument("--pair", action="append", default=[], help="ROW=VANILLA_PREFIX:CPLM_PREFIX")
+    p.add_argument("--sweep", default="", help="comma list of run-name prefixes (before the scale)")
+    p.add_argument("--fractions", default="0.25,0.5,1")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.log_dir):
+        p.error(f"{args.log_dir} is not a directory")
+    try:
+        fractions = [float(f) for f in args.fractions.split(",")]
+    except ValueError:
+        p.error(f"--fractions must be numbers separated by commas (got {args.fractions!r})")
+    if not all(0 < f <= 1 for f in fractions):
+        p.error(f"--fractions must lie in (0, 1] (got {args.fractions})")
+    if not args.pair and not args.sweep:
+        p.error("give --pair or --sweep")
+    lines = []
+    if args.sweep:
+        lines += sweep_report(args.log_dir, args.sweep.split(",")) + [""]
+    for spec in args.pair:
+        m = re.fullmatch(r"([^=]+)=([^:]+):(.+)", spec)
+        if not m:
+            p.error(f"--pair must look like ROW=VANILLA_PREFIX:CPLM_PREFIX (got {spec!r})")
+        name, v_prefix, c_prefix = m.groups()
+        try:
+            vanilla, cplm = load_group(args.log_dir, v_prefix), load_group(args.log_dir, c_prefix)
+        except compare.LogError as e:
+            print(f"race_report.py: error: {e}", file=sys.stderr)
+            return 1
+        if not vanilla or not cplm:
+            missing = v_prefix if not vanilla else c_prefix
+            print(f"race_report.py: error: no finished runs {args.log_dir}/{missing}_s*.txt", file=sys.stderr)
+            return 1
+        lines += row_report(name, vanilla, cplm, fractions) + [""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
