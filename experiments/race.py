@@ -9,6 +9,7 @@ seed a separate run (one thread each, --jobs at a time), logs in OUT/logs/:
   sw_{vanilla,cplm}      a sliding window of 128 tokens
   full_cplm_stopgrad     ablation: no gradient from the CP head into the backbone
   bytes_{vanilla,cplm}   control: byte-level tokens (V = 257 < D = 320), where the paper finds no gain
+A run stopped before its end continues from its newest checkpoint when the command runs again.
 Then writes OUT/summary.txt (records/compare.py per attention type, convergence ratio against vanilla's
 final val loss) and OUT/{full,sw,bytes}.png. Runs whose log already ends with a final line are not run
 again. `--study gate` runs GATE_CONFIGS instead (records/gate_init): the choice of optimizer and gate start.
@@ -18,6 +19,7 @@ again. `--study gate` runs GATE_CONFIGS instead (records/gate_init): the choice 
 and writes OUT/summary.md (experiments/race_report.py). Its rows are described at PROSE_ROWS below.
 """
 import argparse
+import glob
 import os
 import subprocess
 import sys
@@ -72,7 +74,7 @@ def prose_data(vocab):
 
 PROSE = prose_data(8192) + PROSE_BUDGET
 CPU_LRS = {"lr_embed": 0.6, "lr_head": 0.008, "lr_scalar": 0.04, "lr_muon": 0.04, "lr_cp": 0.008}  # the cpu preset's
-LR_SCALES = ("0.5", "1", "2")
+LR_SCALES = ("0.25", "0.5", "1", "2")  # 0.25 added when both modes came out best at 0.5, the edge
 
 
 def scaled_lrs(scale):
@@ -145,6 +147,15 @@ def finished(log_path):
     return os.path.exists(log_path) and "\nfinal val_loss:" in open(log_path).read()
 
 
+def continuation(log_dir, run_id):
+    """Flags for a run that was stopped before its end (a session ran out): resume from its newest checkpoint
+    (the training script resumes exactly and appends to the log), or start it again over its partial log."""
+    saved = sorted(glob.glob(os.path.join(ROOT, log_dir, run_id, "state_step*.pt")))
+    if saved:
+        return ["--resume", os.path.relpath(saved[-1], ROOT)]
+    return ["--overwrite", "1"] if os.path.exists(os.path.join(ROOT, log_dir, run_id + ".txt")) else []
+
+
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, not argparse's usage block
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -204,7 +215,8 @@ def main(argv=None):
             # the prose study sets its own budget; RACE_FLAGS after it would cut it to 100 steps
             budget = [] if args.study == "prose" else RACE_FLAGS
             queue.append([sys.executable, "train_gpt_cplm.py", "--preset", "cpu", *budget, *configs[name],
-                          "--seed", seed, "--run_id", run_id, "--log_dir", log_dir, *args.extra])
+                          "--seed", seed, "--run_id", run_id, "--log_dir", log_dir, *args.extra,
+                          *continuation(log_dir, run_id)])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     running = []
     t0 = time.time()

@@ -120,7 +120,10 @@ def mean_of(logs, fn):
 
 def row_report(name, vanilla, cplm, fractions):
     total = vanilla[min(vanilla)]["val"][-1]["total"]
-    lines = [f"### {name}: vanilla seeds {sorted(vanilla)}, CPLM seeds {sorted(cplm)}, {total} steps", ""]
+    minutes = [sum(log["val"][-1]["time_ms"] for log in logs.values()) / 60000 for logs in (vanilla, cplm)]
+    lines = [f"### {name}: vanilla seeds {sorted(vanilla)}, CPLM seeds {sorted(cplm)}, {total} steps", "",
+             f"Compute: {minutes[0]:.0f} min of training for vanilla, {minutes[1]:.0f} for CPLM (all seeds, one "
+             "thread each, two runs sharing the 2 cores; evaluation and compilation not counted).", ""]
     lines += ["| | vanilla | CPLM | vanilla - CPLM | p (gap > 0) |", "|---|---|---|---|---|"]
     for frac in fractions:
         step = round(frac * total)
