@@ -1354,6 +1354,36 @@ def read_checkpoint(a: Hyperparameters, device):
     return state
 
 
+def load_model(path, device="cpu", max_seq_len=0):
+    """A trained model from a checkpoint that save_checkpoint wrote, for inference: (model in eval mode,
+    its run's Hyperparameters, the step it was saved at). max_seq_len: the longest sequence it will run;
+    the rotary table is not saved, so it is rebuilt this long (never shorter than training's). A missing,
+    unreadable or mismatched file is a DataError (one line)."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such checkpoint file")
+    try:
+        state = torch.load(path, map_location=device, weights_only=False)
+        saved, step, weights = state["hyperparameters"], state["step"], state["model"]
+        assert isinstance(saved, dict) and isinstance(step, int) and isinstance(weights, dict)
+    except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
+        raise DataError(f"{path}: not a readable checkpoint of this script "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+    known = {f.name for f in dataclasses.fields(Hyperparameters)}
+    a = dataclasses.replace(Hyperparameters(), **{k: v for k, v in saved.items() if k in known})
+    try:
+        config = GPTConfig.from_args(a)
+    except ValueError as e:
+        raise DataError(f"{path}: its hyperparameters do not describe a model ({e})")
+    config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, max_seq_len))
+    model = GPT(config).to(device)
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise DataError(f"{path}: its weights do not fit the model its hyperparameters describe "
+                        f"({str(e).splitlines()[0][:200]})")
+    return model.eval(), a, step
+
+
 def use_heap_for_large_tensors():
     """On CPU: glibc hands every large freed block (a (T, V) logit tensor) back to the kernel and page-faults
     it in again at the next allocation, which costs more than the arithmetic on those tensors. Keep freed
