@@ -6,9 +6,6 @@ experiments/ (sample, needle, inference_memory, copy_picture) on tiny checkpoint
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -89,11 +86,11 @@ def test_generate_equals_the_reference_token_for_token(cplm, window):
     model = tiny_model(cplm)
     prompt = two_documents(n_second=230)
     for temperature, top_k, seed in [(0.0, 0, 0), (1.0, 0, 1), (0.8, 20, 2)]:
-        want, want_log_probs = reference_generate(model, prompt, 30, temperature, top_k, seed, window)
+        want, want_log_probs = reference_generate(model, prompt, 20, temperature, top_k, seed, window)
         cache = tg.InferenceCache(model, window, prefill_chunk=100)
-        got = tg.generate(model, prompt, 30, temperature, top_k, seed, window_blocks=window, cache=cache)
+        got = tg.generate(model, prompt, 20, temperature, top_k, seed, window_blocks=window, cache=cache)
         assert got == want, (temperature, top_k)
-        assert cache.end == len(prompt) + 29  # the last token is drawn, never fed
+        assert cache.end == len(prompt) + 19  # the last token is drawn, never fed
         cache = tg.InferenceCache(model, window)  # the same path, step by step: its log-probs
         lp = cache.extend(prompt)
         for step, (token, ref) in enumerate(zip(want, want_log_probs)):
@@ -153,3 +150,281 @@ def test_generate_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="at least one token"):
         tg.generate(model, [], 4)
     assert tg.generate(model, [BOS, 1, 2], 0) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints for the scripts: tiny byte-level models (V = 257) saved as the training script saves them
+
+BYTES_BOS = 256
+SENTENCES = ["The river runs past the old mill and into the quiet valley below.",
+             "Every morning the baker opens the shop before the sun comes up.",
+             "A small boat drifts slowly along the edge of the frozen lake.",
+             "Nobody remembers who planted the tall trees beside the station.",
+             "The library keeps its oldest maps in a cool room under the stairs."]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"experiments_{name}", ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Loader:  # what save_checkpoint reads from the training loader
+    def state(self):
+        return {"position": 0}
+
+
+def write_checkpoint(folder, cplm, attn_window=256, step=10, vocab=257):
+    """A random byte-level model (every matrix non-zero) in save_checkpoint's format; its val shard holds
+    the SENTENCES, so needle.py finds filler."""
+    folder.mkdir(parents=True, exist_ok=True)
+    val = folder / "bytes_val_000000.bin"
+    if not val.exists():
+        text = " ".join(SENTENCES * 4)
+        tokens = np.array([BYTES_BOS] + list(text.encode()) + [BYTES_BOS] + list(text[::-1].encode()), dtype="<u2")
+        header = np.zeros(256, dtype="<i4")
+        header[:4] = [20240520, 1, len(tokens), vocab]
+        val.write_bytes(header.tobytes() + tokens.tobytes())
+    a = tg.Hyperparameters(preset="cpu", vocab_size=vocab, bos_id=vocab - 1, num_layers=2, model_dim=32, num_heads=2,
+                           seq_len=256, val_seq_len=256, cplm=cplm, cp_dim=8, attn_window=attn_window,
+                           attn_window_start=attn_window, num_iterations=20, run_id=f"tiny{cplm}",
+                           train_files=str(folder / "bytes_train_*.bin"), val_files=str(val),
+                           copy_gate_init=0.3 if cplm else 0.0)
+    torch.manual_seed(cplm)
+    model = tg.GPT(tg.GPTConfig.from_args(a))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2 and not p.any():
+                p.normal_(0, 0.1)
+    path = folder / f"tiny{cplm}" / f"state_step{step:06d}.pt"
+    tg.save_checkpoint(str(path), model, [torch.optim.SGD(model.parameters(), lr=0.1)] * 2, step, _Loader(), 1.0, a, [])
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    return {cplm: write_checkpoint(folder, cplm) for cplm in (0, 1)}
+
+
+class Ran:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_script(name, *args, capsys):
+    """The script's main() in this process (a subprocess would spend most of the test importing torch),
+    with its exit code, stdout and stderr as a command line would see them."""
+    module = _load(name)
+    capsys.readouterr()
+    try:
+        code = module.main([str(x) for x in args])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return Ran(code, out, err)
+
+
+def assert_one_line(stderr, *words):
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_load_model_gives_back_the_saved_model_and_refuses_bad_files(checkpoints, tmp_path):
+    path, saved = checkpoints[1]
+    model, a, step = tg.load_model(str(path), max_seq_len=1000)
+    assert step == 10 and a.cplm == 1 and a.run_id == "tiny1" and model.config.max_seq_len == tg.next_multiple(1000, 1)
+    ids = torch.tensor([[BYTES_BOS] + list(b"copy this, copy this")])
+    torch.testing.assert_close(model.next_token_log_probs(ids), saved.eval().next_token_log_probs(ids))
+    with pytest.raises(tg.DataError, match="no such checkpoint"):
+        tg.load_model(str(tmp_path / "missing.pt"))
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(tg.DataError, match="not a readable checkpoint"):
+        tg.load_model(str(tmp_path / "garbage.pt"))
+    state = torch.load(path, weights_only=False)
+    state["hyperparameters"]["model_dim"] = 64
+    torch.save(state, tmp_path / "other_shape.pt")
+    with pytest.raises(tg.DataError, match="do not fit"):
+        tg.load_model(str(tmp_path / "other_shape.pt"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# experiments/codec.py and experiments/sample.py
+
+
+def test_codec_finds_the_checkpoints_tokenizer(tmp_path):
+    codec = _load("codec")
+    a = tg.Hyperparameters(vocab_size=257, bos_id=256)
+    assert codec.codec_for(a).decode(codec.codec_for(a).encode("héllo") + [256]) == "héllo"
+    prose = _load_prose_corpus()
+    tok = prose.train_tokenizer(SENTENCES * 20, 300)
+    folder = tmp_path / "prose300"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    (folder / "meta.json").write_text(json.dumps({"vocab_size": size, "bos_id": size - 1}))
+    a = tg.Hyperparameters(vocab_size=size, bos_id=size - 1, train_files=str(folder / "prose300_train_*.bin"))
+    found = codec.codec_for(a)
+    ids = found.encode("The river runs.")
+    assert found.decode(ids + [size - 1]) == "The river runs." and size - 1 not in ids
+    assert "".join(found.piece(i) for i in ids) == "The river runs."
+    with pytest.raises(codec.CodecError, match="pass --tokenizer"):
+        codec.codec_for(tg.Hyperparameters(vocab_size=size + 1, bos_id=size, train_files=a.train_files))
+    with pytest.raises(codec.CodecError, match=f"a tokenizer of {size} ids"):
+        codec.codec_for(tg.Hyperparameters(vocab_size=999, bos_id=998), str(folder / "tokenizer.json"))
+
+
+def _load_prose_corpus():
+    pytest.importorskip("tokenizers")
+    spec = importlib.util.spec_from_file_location("prose_corpus", ROOT / "data" / "prose_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sample_prints_the_prompt_and_generates_continuation(checkpoints, capsys):
+    path, model = checkpoints[1]
+    r = run_script("sample", path, "--prompt", "The river", "--max_new_tokens", 12, "--temperature", 0, capsys=capsys)
+    assert r.returncode == 0, r.stderr
+    prompt = [BYTES_BOS] + list(b"The river")
+    new = tg.generate(model, prompt, 12, temperature=0.0, window_blocks=tg.window_blocks(10, tg.Hyperparameters(
+        attn_window=256, attn_window_start=256, num_iterations=20)))
+    new = new[:new.index(BYTES_BOS)] if BYTES_BOS in new else new
+    assert r.stdout == "The river" + bytes(new).decode("utf-8", errors="replace") + "\n"
+    r = run_script("sample", path, "--prompt", "x", "--top_k", -1, capsys=capsys)
+    assert r.returncode == 2
+    assert_one_line(r.stderr, "--top_k", "--help")
+    r = run_script("sample", path.parent / "missing.pt", "--prompt", "x", capsys=capsys)
+    assert r.returncode == 1
+    assert_one_line(r.stderr, "missing.pt", "no such checkpoint")
+
+
+# ----------------------------------------------------------------------------------------------------
+# experiments/needle.py
+
+
+def test_needle_haystack_places_the_needle_and_scores_exact_numbers():
+    needle, codec = _load("needle"), _load("codec").byte_codec()
+    sentences = [codec.encode(" " + s) for s in SENTENCES]
+    import random
+    seen = set()
+    for depth, where in [(0.0, "start"), (1.0, "end"), (0.5, "middle")]:
+        ids, number = needle.haystack(sentences, codec, BYTES_BOS, 300, depth, random.Random(depth))
+        seen.add(number)
+        text = codec.decode(ids)
+        assert len(ids) <= 300 and ids[0] == BYTES_BOS and ids.count(BYTES_BOS) == 1 and len(number) == 7
+        assert text.count(f"The magic number is {number}.") == 1 and text.endswith(needle.CUE)
+        at = text.index("The magic number")
+        filler = len(text) - len(needle.CUE) - len(needle.NEEDLE.format(number))  # characters of filler
+        if where == "start":
+            assert at == 1
+        elif where == "end":
+            assert at - 1 == filler
+        else:
+            assert 0.25 * filler < at < 0.75 * filler
+    assert len(seen) == 3
+    assert needle.first_number(" 4817263. It") == "4817263" and needle.first_number(" 48172634") == "48172634"
+    assert needle.first_number(" no") is None
+
+
+def test_needle_cli_writes_table_json_and_heat_map(checkpoints, tmp_path, monkeypatch, capsys):
+    path, _ = checkpoints[0]
+    r = run_script("needle", path, "--contexts", "128,192", "--trials", 1, "--out", tmp_path, capsys=capsys)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "tiny0_step10_trained.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| 1")]
+    assert len(rows) == 2 and all(line.count("|") == 8 + 3 for line in rows)
+    results = json.loads((tmp_path / "tiny0_step10_trained.json").read_text())["results"]
+    assert len(results) == 2 * 8 and {r["context"] for r in results} == {128, 192}
+    assert all(r["tokens"] <= r["context"] for r in results)
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "tiny0_step10_trained.png").read_bytes()[:4] == b"\x89PNG"
+    # scoring: a model that always answers with the needle scores 100, one that answers another number 0
+    needle = _load("needle")
+    model, a, step = tg.load_model(str(path), max_seq_len=256)
+    codec = _load("codec").byte_codec()
+    for answer, expect in [(lambda ids: ids[-50:], 1.0), (lambda ids: list(b" 1234567"), 0.0)]:
+        def fake_generate(model, ids, n, temperature, window_blocks, answer=answer):
+            text = codec.decode(ids)
+            number = text[text.index("magic number is ") + 16:][:7]
+            return list(f" {number}".encode()) if expect else answer(ids)
+        monkeypatch.setattr(needle.tg, "generate", fake_generate)
+        results = needle.run(model, codec, a, step, [160], 1, 0, "trained", a.val_files, log=lambda *_: None)
+        assert np.mean([r["correct"] for r in results]) == expect
+    r = run_script("needle", path, "--contexts", "12x", capsys=capsys)
+    assert r.returncode == 2
+    assert_one_line(r.stderr, "--contexts")
+
+
+# ----------------------------------------------------------------------------------------------------
+# experiments/inference_memory.py
+
+
+@pytest.mark.parametrize("cplm", [0, 1])
+def test_memory_formula_is_what_the_caches_hold(cplm):
+    memory = _load("inference_memory")
+    cfg = tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=32, num_heads=2, no_attention_layer=2,
+                       max_seq_len=640, cplm=cplm, cp_dim=16)
+    for window in (None, 1, 2):
+        for context in (300, 640):
+            computed = memory.measured_bytes(cfg, window, context, "cpu", prefill_chunk=128)
+            assert computed == memory.formula_bytes(cfg, window, context)
+            assert computed == memory.measured_bytes(cfg, window, context, "meta")
+    # by hand: bf16 keys and values in 3 attention layers; window 1: each layer keeps its current block
+    assert memory.formula_bytes(cfg, None, 300)["kv"] == 3 * 300 * 2 * 32 * 2
+    assert memory.formula_bytes(cfg, 1, 300)["kv"] == 3 * (300 - 256) * 2 * 32 * 2
+    assert memory.formula_bytes(cfg, 2, 300)["kv"] == (2 * (300 - 128) + (300 - 256)) * 2 * 32 * 2
+    assert memory.formula_bytes(cfg, 2, 300)["cp_keys"] == (300 * 16 * 2 if cplm else 0)
+
+
+def test_memory_cli_writes_the_speedrun_table(tmp_path, capsys):
+    r = run_script("inference_memory", "--contexts", 300, "--computed", "", "--out", tmp_path / "m.md", capsys=capsys)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in (tmp_path / "m.md").read_text().splitlines() if line.startswith("| 300")]
+    assert len(rows) == 6
+    full = next(row for row in rows if "vanilla, full attention" in row[2])
+    assert full[7].strip() == f"{11 * 2 * 768 * 2:,}"  # 11 attention layers x (key, value) x 768 x bf16
+    r = run_script("inference_memory", "--contexts", "4k", capsys=capsys)
+    assert r.returncode == 2
+    assert_one_line(r.stderr, "--contexts")
+
+
+# ----------------------------------------------------------------------------------------------------
+# experiments/copy_picture.py
+
+
+def test_copy_trace_gates_match_the_training_forward(checkpoints):
+    copy_picture = _load("copy_picture")
+    _, model = checkpoints[1]
+    ids = [BYTES_BOS] + list(b"abcabc the cat and the cat and the hat")
+    trace = copy_picture.copy_trace(model.eval(), ids, window_blocks=1)
+    x = torch.tensor([ids])
+    stats = model(x[:, :-1], x[:, 1:], torch.tensor(1, dtype=torch.int32), token_stats=True)
+    for gate in ("lam", "c", "s"):
+        torch.testing.assert_close(torch.tensor(trace[gate]), stats[gate][0], atol=1e-5, rtol=1e-5)
+    # the copy share is the copy term's part of p(y), so where the target never occurred it is 0
+    share = torch.tensor(trace["copy_share"])
+    assert (share[~stats["copyable"][0]] == 0).all() and (share[stats["copyable"][0]] > 0).all()
+    assert all(0 <= tau <= t for t, tau in enumerate(trace["source"]))
+
+
+def test_copy_picture_cli_writes_html_and_png(checkpoints, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("the cat and the cat <b>&</b>")
+    r = run_script("copy_picture", checkpoints[1][0], "--text", text, "--out", tmp_path / "out", capsys=capsys)
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / "out" / "t.html").read_text()
+    assert page.count("<span style=") == len(text.read_bytes())  # one per byte after the BOS
+    assert all(f">{c}</span>" in page for c in ("&lt;", "&amp;", "&gt;"))  # the text is escaped
+    assert "points at position" in page and "<script" not in page
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "out" / "t.png").read_bytes()[:4] == b"\x89PNG"
+    r = run_script("copy_picture", checkpoints[0][0], "--text", text, "--out", tmp_path / "v", capsys=capsys)
+    assert r.returncode == 2 and not (tmp_path / "v").exists()
+    assert_one_line(r.stderr, "vanilla", "--cplm 1")
+    r = run_script("copy_picture", checkpoints[1][0], "--text", tmp_path / "none.txt", capsys=capsys)
+    assert r.returncode == 1
+    assert_one_line(r.stderr, "none.txt")
