@@ -43,8 +43,8 @@ CONFIGS = [
     ("CPLM, full attention", 1, None),
     ("vanilla, window 1792/896 (the speedrun's final)", 0, 14),
     ("CPLM, window 1792/896 (the speedrun's final)", 1, 14),
-    ("vanilla, window 256/128 (the paper's SW needle model)", 0, 2),
-    ("CPLM, window 256/128 (the paper's SW needle model)", 1, 2),
+    ("vanilla, window 256/128 (long layers at the window of the paper's SW needle model)", 0, 2),
+    ("CPLM, window 256/128 (long layers at the window of the paper's SW needle model)", 1, 2),
 ]
 
 
@@ -156,7 +156,7 @@ def write_table(args, rows):
              f"--computed {','.join(map(str, args.computed))}` (one CPU thread). The speedrun model: 12 layers x 768, "
              "6 heads, no attention in layer 7, long layers 0, 4, 7, 11 (layer 7 has none), cp_dim 64; caches in "
              "bf16, token ids int32. Window 1792/896: the long and short layers' windows at the end of the "
-             "speedrun (14 and 7 blocks of 128 tokens); 256/128: the paper's SW model of the needle test.", "",
+             "speedrun (14 and 7 blocks of 128 tokens); 256/128: long layers at 256 tokens, the window of the paper's SW model in the needle test, short ones at 128.", "",
              "Every row's bytes are the tensor bytes of `InferenceCache` after `generate`'s prefill of one "
              "document of that many tokens, and equal the formula from the config (the script checks it). "
              "`meta`: built on PyTorch's meta device (the same code and tensors, no arithmetic); `computed`: "

@@ -11,7 +11,8 @@ number takes. A trial is right when the first number in the continuation is exac
 
 Filler: real sentences from the checkpoint's own validation split (its --val_files, decoded with its
 tokenizer), never seen in training: sentences of 40-400 characters without digits (so the needle is the
-only number), each encoded on its own with a leading space and concatenated until the context is full.
+only number) from the first documents of the split, a pool of 8 times the longest context (at least 32Ki
+tokens), each encoded on its own with a leading space and concatenated until the context is full.
 Trial i of a cell draws its number and the sentence to start from with random.Random(seed, context, depth,
 i), so a cell's trials differ and a rerun repeats them. The context is one document: BOS, filler with
 the needle, cue; its length is the nominal context minus at most one sentence.
@@ -120,7 +121,8 @@ def first_number(text):
 def run(model, codec, a, step, contexts, trials, seed, attention, val_files, log=print):
     """Every trial of every (context, depth) cell: [{context, depth, trial, number, answer, correct}]."""
     window = tg.window_blocks(step, a) if attention == "trained" else None
-    sentences = filler_sentences(val_files, codec, a.bos_id, 2 * max(contexts))
+    # a pool of several contexts' worth, so the trials of a cell start from different text
+    sentences = filler_sentences(val_files, codec, a.bos_id, max(8 * max(contexts), 32768))
     results = []
     for context in contexts:
         t0 = time.perf_counter()
