@@ -145,6 +145,11 @@ def test_generate_refuses_what_it_cannot_do():
     model = tiny_model(0, max_seq_len=256)
     with pytest.raises(ValueError, match="max_seq_len"):
         tg.generate(model, two_documents(), 4)
+    with pytest.raises(ValueError, match="257 positions exceed"):  # checked before any work
+        tg.generate(model, [BOS] * 200, 58)
+    assert len(tg.generate(model, [BOS] * 200, 57)) == 57
+    with pytest.raises(ValueError, match="window_blocks must be >= 1"):
+        tg.generate(model, [BOS, 1], 4, window_blocks=0)
     with pytest.raises(ValueError, match="temperature"):
         tg.generate(model, [BOS, 1], 4, temperature=-1)
     with pytest.raises(ValueError, match="at least one token"):

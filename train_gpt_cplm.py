@@ -947,6 +947,10 @@ class InferenceCache:
     tokens, then one token at a time) and returns log p(next token): O(window + document) work per token."""
 
     def __init__(self, model: GPT, window_blocks=None, prefill_chunk=512):
+        if window_blocks is not None and int(window_blocks) < 1:
+            raise ValueError(f"window_blocks must be >= 1 block of {BLOCK} tokens (None: whole documents)")
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
         self.model, self.prefill_chunk = model, prefill_chunk
         self.windows = layer_windows(model, window_blocks)
         self.end = 0  # absolute position of the next token
@@ -961,26 +965,29 @@ class InferenceCache:
         """Feeds ids (a list or 1-D tensor of token ids) after what the cache holds; returns log p(next
         token) over the padded vocabulary, (padded_vocab,) float32, <copy> at -inf in CPLM mode."""
         device = next(self.model.parameters()).device
-        ids = torch.as_tensor(ids, dtype=torch.long, device=device).view(-1)
+        ids = torch.as_tensor(ids, dtype=torch.long).view(-1).cpu()  # documents are found on the host
         if ids.numel() == 0:
             raise ValueError("extend needs at least one token")
         if self.end + ids.numel() > self.model.config.max_seq_len:
             raise ValueError(f"{self.end + ids.numel()} positions exceed the rotary table's max_seq_len "
                              f"{self.model.config.max_seq_len}: build the model with a larger max_seq_len")
         for lo in range(0, ids.numel(), self.prefill_chunk):
-            h = self._extend_hidden(ids[None, lo:lo + self.prefill_chunk])
+            h = self._extend_hidden(ids[None, lo:lo + self.prefill_chunk], device)
         return self._next_log_probs(h[:, -1:])[0, 0]
 
-    def _extend_hidden(self, ids):
-        """GPT.hidden_states for the new tokens only, keys and values of earlier ones from the cache."""
+    def _extend_hidden(self, ids, device):
+        """GPT.hidden_states for the new tokens only (ids (1, n) on the host), keys and values of earlier
+        ones from the cache. Everything that depends on the tokens' values (where documents start) is
+        decided on the host, so the device never waits, and a model on the meta device (shapes only:
+        experiments/inference_memory.py) runs the same code."""
         model, c = self.model, self.model.config
         n = ids.size(1)
-        positions = torch.arange(self.end, self.end + n, device=ids.device)
+        bos_at = torch.nonzero(ids[0] == c.bos_id)[:, 0].tolist()
+        new_doc_start = self.end + bos_at[-1] if bos_at else self.doc_start
         # document of every new position relative to the current one (0): a BOS starts the next
-        docs = (ids[0] == c.bos_id).cumsum(0)
-        new_doc_start = self.doc_start
-        if docs[-1] > 0:
-            new_doc_start = self.end + int(torch.nonzero(ids[0] == c.bos_id)[-1])
+        docs = (ids[0] == c.bos_id).cumsum(0).to(device)
+        ids = ids.to(device)
+        positions = torch.arange(self.end, self.end + n, device=device)
         ve = [emb(ids) for emb in model.value_embeds]
         ve = ve + [None] * (c.num_layers - 2 * len(ve)) + ve
         x = x0 = norm(model.embed(ids))
@@ -1079,18 +1086,24 @@ def generate(model: GPT, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, s
         raise ValueError("temperature, top_k and max_new_tokens must be >= 0")
     if len(prompt_ids) == 0:
         raise ValueError("the prompt needs at least one token (documents start with BOS)")
+    cache = cache if cache is not None else InferenceCache(model, window_blocks)
+    needed = cache.end + len(prompt_ids) + max(max_new_tokens - 1, 0)
+    if needed > model.config.max_seq_len:
+        raise ValueError(f"{needed} positions exceed the rotary table's max_seq_len {model.config.max_seq_len}: "
+                         "build the model with a larger max_seq_len (load_model(path, max_seq_len=...))")
     was_training = model.training
     model.eval()
-    cache = cache if cache is not None else InferenceCache(model, window_blocks)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     out = []
-    log_probs = cache.extend(prompt_ids)
-    for step in range(max_new_tokens):
-        out.append(sample_next(log_probs, model.config.vocab_size, temperature, top_k, generator))
-        if step + 1 < max_new_tokens:
-            log_probs = cache.extend([out[-1]])
-    model.train(was_training)
+    try:
+        log_probs = cache.extend(prompt_ids)
+        for step in range(max_new_tokens):
+            out.append(sample_next(log_probs, model.config.vocab_size, temperature, top_k, generator))
+            if step + 1 < max_new_tokens:
+                log_probs = cache.extend([out[-1]])
+    finally:
+        model.train(was_training)
     return out
 
 
