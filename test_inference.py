@@ -414,6 +414,8 @@ def test_copy_trace_gates_match_the_training_forward(checkpoints):
     share = torch.tensor(trace["copy_share"])
     assert (share[~stats["copyable"][0]] == 0).all() and (share[stats["copyable"][0]] > 0).all()
     assert all(0 <= tau <= t for t, tau in enumerate(trace["source"]))
+    for t, tau in enumerate(trace["token_source"]):  # an earlier occurrence of the token x_{t+1}, if any
+        assert (tau == -1) == (not stats["copyable"][0, t]) and (tau == -1 or (ids[tau] == ids[t + 1] and tau <= t))
 
 
 def test_copy_picture_cli_writes_html_and_png(checkpoints, tmp_path, capsys):

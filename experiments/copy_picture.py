@@ -6,7 +6,9 @@
 The text is one document (BOS, then its tokens, at most --max_tokens). Token x_{t+1} is predicted at
 position t, so each token is shown with the CP head's state at the position before it:
   lambda = c (1 - s)  how much of p comes through the copy path (c: the <copy> gate, s: the sink's share);
-  source              argmax over tau <= t of alpha_t(tau): the position it pointed at most, with alpha there;
+  source              argmax over tau <= t of alpha_t(tau): the position it pointed at most, with alpha there
+                      (and, since alpha is often spread over many occurrences of the token, the strongest
+                      earlier occurrence of the token itself: where the copied probability came from most);
   copy share          lambda p_CP(x_{t+1}) / p(x_{t+1}): the part of the probability the model gave the
                       actual token that came from copying (0 when the token never occurred before).
 In the HTML each token's background is lambda (white 0 -> green 1), it is underlined when the copy share
@@ -82,7 +84,12 @@ def copy_trace(model: tg.GPT, ids, window_blocks=None) -> dict:
     same = x[0][None, :] == nxt[:, None]  # (T - 1, T): key tau holds the next token
     copy_mass = (alpha[:-1, :-1] * same).sum(-1)  # c * this = the copy term lambda p_CP(y)
     copy_share = (c[:-1] * copy_mass / p_y).clamp(0, 1)
-    return {"source": source[:-1].tolist(), "alpha": alpha[torch.arange(T - 1), source[:-1]].tolist(),
+    # alpha is often spread over many occurrences of the token: the strongest one, -1 where there is none
+    on_token = alpha[:-1, :-1].masked_fill(~same.tril(), -1.0)
+    token_source = torch.where(on_token.amax(-1) >= 0, on_token.argmax(-1), -1)
+    rows = torch.arange(T - 1)
+    return {"source": source[:-1].tolist(), "alpha": alpha[rows, source[:-1]].tolist(),
+            "token_source": token_source.tolist(), "token_alpha": on_token.amax(-1).clamp_min(0).tolist(),
             "lam": lam[:-1].tolist(), "c": c[:-1].tolist(), "s": s[:-1].tolist(), "copy_share": copy_share.tolist()}
 
 
@@ -97,6 +104,9 @@ def render_html(pieces, trace, title):
         lam, share, tau = trace["lam"][t], trace["copy_share"][t], trace["source"][t]
         hover = (f"token {t + 1}; lambda {lam:.2f} (c {trace['c'][t]:.2f}, s {trace['s'][t]:.2f}); "
                  f"copy share {share:.2f}; points at position {tau} (alpha {trace['alpha'][t]:.2f}): {context(tau)}")
+        own = trace["token_source"][t]
+        hover += (f"; strongest earlier occurrence of this token: position {own} (alpha {trace['token_alpha'][t]:.2f}): "
+                  f"{context(own)}" if own >= 0 else "; the token did not occur before")
         style = f"background: rgba(30, 160, 60, {lam:.3f});" + (" text-decoration: underline;" if share > 0.5 else "")
         spans.append(f'<span style="{style}" title="{html.escape(hover, quote=True)}">{html.escape(piece)}</span>')
     body = "".join(spans)
@@ -108,7 +118,7 @@ span:hover {{ outline: 1px solid #333; }}</style></head>
 <body><h3>{html.escape(title)}</h3>
 <p>Background: lambda, how open the copy path was for the token (white 0, green 1). Underlined: more than half
 of the probability the model gave the token came from copying. Hover a token: the earlier position the CP head
-pointed at most (argmax alpha), in context, and the gates.</p>
+pointed at most (argmax alpha), in context, the strongest earlier occurrence of the token itself, and the gates.</p>
 <div class="text">{body}</div></body></html>
 """
 
