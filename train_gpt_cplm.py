@@ -6,8 +6,8 @@
 
 Sections, in the order data flows: config -> data -> model (backbone, CP head) -> loss -> optimizer ->
 distributed loop -> logging. The method, in short, is in README.md; here, look for
-`CopyPasteHead`, `cplm_target_log_prob` (the training loss), `cplm_log_probs` (the dense reference)
-and `Hyperparameters.cplm` (the switch).
+`CopyPasteHead`, `cplm_target_log_prob` (the training loss), `cplm_log_probs` (the dense reference),
+`Hyperparameters.cplm` (the switch) and `generate` (sampling with a KV cache and a CP-key cache).
 """
 import argparse
 import ctypes
