@@ -1,0 +1,76 @@
+"""Sample text from a trained checkpoint, vanilla or CPLM, through generate's caches.
+
+    python experiments/sample.py logs/RUN/state_step001000.pt --prompt "The server" --max_new_tokens 100
+    python experiments/sample.py CKPT --prompt "..." --temperature 0        # greedy
+    python experiments/sample.py CKPT --prompt "..." --attention full      # no window, whatever training used
+
+The prompt becomes one document: BOS, then its tokens (the tokenizer: see experiments/codec.py). The
+continuation is drawn from the model's next-token distribution (CPLM: the mixture of the LM head and the
+copy distribution) at --temperature among the --top_k most likely tokens, with --seed fixing the draws.
+Attention uses the window the checkpoint was trained with at its step (--attention trained) unless
+--attention full. Generation stops after --max_new_tokens, or at a BOS (the model ended the document).
+Prints the prompt and the continuation. Exit codes: 0 done, 1 missing or unreadable checkpoint or
+tokenizer, 2 bad command line.
+"""
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from codec import CodecError, codec_for  # noqa: E402  (codec puts the repository root on sys.path)
+import train_gpt_cplm as tg  # noqa: E402
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_args(argv=None):
+    p = OneLineParser(prog="sample.py", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="a checkpoint written by train_gpt_cplm.py (logs/<run_id>/state_stepNNNNNN.pt)")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max_new_tokens", type=int, default=100, help="tokens to generate (default 100)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--top_k", type=int, default=50, help="draw among the k most likely tokens; 0: all (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--tokenizer", default=None, help="a tokenizers tokenizer.json (default: found from the checkpoint)")
+    p.add_argument("--attention", choices=("trained", "full"), default="trained",
+                   help="trained: the checkpoint's sliding window; full: whole documents (default trained)")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or args.seed < 0:
+        p.error("--max_new_tokens, --temperature, --top_k and --seed must be >= 0")
+    return args
+
+
+def inference_window(a: tg.Hyperparameters, step, attention):
+    """The long layers' window (blocks) the checkpoint was trained with at its step, or None (full)."""
+    return tg.window_blocks(step, a) if attention == "trained" else None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        model, a, step = tg.load_model(args.checkpoint)
+        codec = codec_for(a, args.tokenizer)
+        prompt = [a.bos_id] + codec.encode(args.prompt)
+        if len(prompt) + args.max_new_tokens > model.config.max_seq_len:  # room in the rotary table
+            model, a, step = tg.load_model(args.checkpoint, max_seq_len=len(prompt) + args.max_new_tokens)
+    except (tg.DataError, CodecError) as e:
+        print(f"sample.py: error: {e}", file=sys.stderr)
+        return 1
+    new = generate_until_bos(model, prompt, args, inference_window(a, step, args.attention))
+    print(args.prompt + codec.decode(new))
+    return 0
+
+
+def generate_until_bos(model, prompt, args, window):
+    """generate's tokens up to the first BOS (the end of the document the prompt began)."""
+    new = tg.generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, window_blocks=window)
+    bos = model.config.bos_id
+    return new[:new.index(bos)] if bos in new else new
+
+
+if __name__ == "__main__":
+    sys.exit(main())
