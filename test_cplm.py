@@ -1,4 +1,5 @@
 """CPU test suite: `python -m pytest -q test_cplm.py` (a few minutes on 2 cores, no GPU, no internet)."""
+import dataclasses
 import importlib.util
 import json
 import math
@@ -595,7 +596,8 @@ def test_cli_run_writes_a_complete_log(toy_data, tmp_path):
     assert re.search(r"^hyperparameters: \{.*\"cplm\": 1", log, re.M)
     assert len(log_values(tmp_path / "run.txt", "train_loss")) == 6
     assert len(log_values(tmp_path / "run.txt", "val_loss")) == 3  # steps 0, 3, 6
-    assert re.search(r"^step:6/6 copy_share:[\d.]+ nll_copyable:[\d.]+ nll_other:[\d.]+ lam:[\d.]+ c:[\d.]+ s:[\d.]+$",
+    assert re.search(r"^step:6/6 copy_share:[\d.]+ nll_copyable:[\d.]+ nll_other:[\d.]+ lam:[\d.]+ c:[\d.]+ s:[\d.]+ "
+                     r"lam_other:[\d.]+ gate_cost_other:[\d.]+$",
                      log, re.M)
     assert re.search(r"^peak memory", log, re.M) and re.search(r"^final val_loss:[\d.]+", log, re.M)
 
@@ -1749,7 +1751,10 @@ def test_requirements_state_the_need_and_ci_pins_the_cpu_build():
     ci = (Path(ROOT) / ".ci" / "run").read_text().strip().splitlines()
     install = [l for l in ci if "pip install" in l]
     assert len(install) == 1 and "-r requirements.txt" in install[0] and "-c .ci/constraints.txt" in install[0]
-    assert ci[-1] == "python3 -m pytest -q test_cplm.py"
+    # CI runs exactly the README's test command, and that command runs every test file
+    readme_command = re.search(r"^(python3 -m pytest -q [^#\n]*?)\s*#", (Path(ROOT) / "README.md").read_text(), re.M)
+    assert readme_command and ci[-1] == readme_command.group(1)
+    assert sorted(ci[-1].split()[4:]) == sorted(p.name for p in Path(ROOT).glob("test_*.py"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2078,3 +2083,323 @@ def test_scripts_give_one_line_errors(tmp_path):
     assert_one_line_error(_run_script("experiments/copy_share.py", tmp_path / "x.bin"), 1)
     assert_one_line_error(_run_script("experiments/copy_share.py", tmp_path / "x.bin", "--windows", "a,b"), 2)
     assert_one_line_error(_run_script("experiments/copy_share.py"), 2)
+
+
+# ====================================================================================================
+# experiments/spamlang.py --study v2: the lookup task, held-out rows of well-seen tokens, the plateau rule,
+# the V/D break point, parallel runs (helpers above: spamlang, SPAMLANG, REPO, _in_context)
+
+from collections import Counter  # noqa: E402
+
+
+@pytest.mark.parametrize("T", [4, 16, 40])
+def test_spamlang_lookup_target_is_an_earlier_token_never_the_current_one(T):
+    V, B = 300, 60
+    x, y, copy = spamlang.make_batch("lookup", V, B, T, torch.Generator().manual_seed(2))
+    assert x.shape == y.shape == copy.shape == (B, T)
+    assert (x[:, 0] == V - 1).all() and (x[:, 1:] != V - 1).all() and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(copy, _in_context(x, y))  # copy positions: exactly those whose target occurred before
+    periods = set()
+    for b in range(B):
+        P = int(copy[b].nonzero()[0])  # the first copy position is the period
+        periods.add(P)
+        assert len(set(x[b, 1:P + 1].tolist())) == P  # one block of distinct tokens
+        for t in range(P, T):
+            assert y[b, t] == x[b, t - P + 1] and y[b, t] != x[b, t]  # a lookup P - 1 back, never tau = t
+    assert periods == set(range(spamlang.MIN_PERIOD, min(spamlang.MAX_PERIOD, T // 2) + 1))
+
+
+def test_spamlang_span_rows_drawn_from_a_pool_hold_the_span_twice():
+    V, B, T = 1000, 30, 24
+    pool = torch.arange(100, 140)
+    x, y, copy = spamlang.make_batch("span", V, B, T, torch.Generator().manual_seed(3), tokens=pool)
+    assert (x[:, 0] == V - 1).all() and torch.equal(copy, _in_context(x, y) & copy)
+    for b in range(B):
+        counts = Counter(y[b].tolist())  # the row after BOS
+        assert set(counts) <= set(pool.tolist())
+        copied = y[b][copy[b]].tolist()  # the recurrence after its first token
+        twice = {t for t, c in counts.items() if c == 2}
+        assert set(counts.values()) <= {1, 2} and len(twice) == len(copied) + 1 and set(copied) <= twice
+        assert spamlang.MIN_SPAN <= len(twice) <= min(spamlang.MAX_SPAN, T // 2)
+
+
+@pytest.mark.parametrize("task,seq_len", [("repeat", 4), ("lookup", 16), ("span", 16)])
+def test_spamlang_held_out_targets_were_copy_targets_of_k_training_rows(task, seq_len):
+    V, k = 200, 3
+    gen = torch.Generator().manual_seed(5)
+    train = [spamlang.make_batch(task, V, 16, seq_len, gen) for _ in range(20)]
+    rows_with = Counter()  # brute force: in how many training rows each token is a copy target (once per row)
+    for _, y, copy in train:
+        for b in range(y.size(0)):
+            rows_with.update(set(y[b][copy[b]].tolist()))
+    assert torch.equal(spamlang.copy_target_exposures(train, V),
+                       torch.tensor([rows_with[t] for t in range(V)]))
+    (x, y, copy), summary = spamlang.held_out_set(task, V, 30, seq_len, torch.Generator().manual_seed(6), train, k)
+    eligible = {t for t, n in rows_with.items() if n >= k}
+    targets = y[copy].tolist()
+    assert targets and min(rows_with[t] for t in targets) >= k
+    assert set(y.flatten().tolist()) <= eligible  # every token of the held-out rows, not only the targets
+    assert summary["exposures_min"] == min(rows_with[t] for t in targets)
+    assert summary["eligible_tokens"] == len(eligible) < V - 1  # the restriction removed tokens
+    with pytest.raises(ValueError, match="copy target of >= 10000"):
+        spamlang.held_out_set(task, V, 30, seq_len, torch.Generator(), train, 10_000)
+
+
+def test_spamlang_plateau_rule():
+    steps = range(0, 101, 10)
+    assert not spamlang.plateaued([(s, s / 100, 5 - s / 50) for s in steps])  # still rising
+    assert spamlang.plateaued([(s, 0.30 + 0.005 * (s % 20 == 0), 2.0) for s in steps])  # flat within noise
+    # accuracy flat at 0 while the NLL still falls (as before an induction circuit forms): not a plateau
+    assert not spamlang.plateaued([(s, 0.0, 8 - s / 20) for s in steps])
+    assert spamlang.plateaued([(s, 1.0, 1 - s / 200) for s in steps])  # solved: the NLL no longer matters
+    assert not spamlang.plateaued([(0, 0.0, 8.0)])
+    flat = [(s, 0.5, 2.0) for s in range(0, 80, 10)]  # a gain of 1.5 points in the last quarter; of 0.5 points
+    assert not spamlang.plateaued(flat + [(80, 0.5, 2.0), (90, 0.515, 2.0), (100, 0.5, 2.0)])
+    assert spamlang.plateaued(flat + [(80, 0.5, 2.0), (90, 0.505, 2.0), (100, 0.5, 2.0)])
+
+
+def test_spamlang_short_runs_of_both_modes(tmp_path):
+    common = dict(steps=30, batch=32, seq_len=4, seed=0, eval_seqs=32, model_dim=32, min_exposures=4,
+                  copy_gate_init=0)
+    vanilla = spamlang.run_one("repeat", 64, 0, **common)
+    cplm = spamlang.run_one("repeat", 64, 1, **common)
+    # vanilla: a flat LM head at step 0 (argmax: token 0), then it learns x -> x (V/D = 2: no bottleneck)
+    assert vanilla["copy_acc_step0"] <= 0.1 and vanilla["copy_acc"] >= 0.9 and "lam" not in vanilla
+    # CPLM: pointing at its own position is right before any training (y_t = x_t), and stays right
+    assert cplm["copy_acc_step0"] >= 0.5 and cplm["copy_acc"] >= 0.99 and 0 < cplm["lam"] <= 1
+    assert all(r["exposures_min"] >= 4 and r["steps_done"] == 30 and r["stop"] == "steps" for r in (vanilla, cplm))
+    # lookup: tau = t gains nothing, so the CPLM's step-0 accuracy is a guess among the block's tokens
+    lookup = spamlang.run_one("lookup", 64, 1, steps=2, batch=8, seq_len=16, seed=0, eval_seqs=16, model_dim=32,
+                              min_exposures=1, copy_gate_init=0)
+    assert 0 < lookup["copy_acc_step0"] < 0.6 and 0 <= lookup["copy_acc"] <= 1
+    log = tmp_path / "plateau.txt"
+    r = spamlang.run_one("repeat", 64, 1, steps=400, batch=32, seq_len=4, seed=0, eval_seqs=32, eval_every=2,
+                         model_dim=32, min_exposures=4, plateau_min_steps=8, copy_gate_init=0, log_path=str(log))
+    assert r["stop"] == "plateau" and 8 <= r["steps_done"] < 400 and r["copy_acc"] >= 0.99
+    lines = log.read_text().splitlines()
+    assert lines[1].startswith("held-out: ") and json.loads(lines[1][10:])["exposures_min"] >= 4
+    assert f"stopped: plateau at step {r['steps_done']}" in lines and lines[-1].startswith("final copy_acc:")
+    assert lines[-3].startswith(f"step:{r['steps_done']}/400 ")  # the plateau's evaluation is the final one
+
+
+def test_spamlang_v2_holds_the_training_rows_fixed_across_widths():
+    specs = spamlang.v2_specs([0, 1])
+    assert len({s.name for s in specs}) == len(specs)
+    assert all(s.copy_gate_init == 0 and s.min_exposures == spamlang.MIN_EXPOSURES for s in specs)
+    for task in ("repeat", "lookup"):
+        rows = [s for s in specs if s.part == "sweep" and s.task == task]
+        # one training stream per seed at every width: V, steps, batch, rows and held-out rows all equal
+        assert len({(s.vocab_size, s.steps, s.batch, s.seq_len, s.eval_seqs, s.plateau_min_steps) for s in rows}) == 1
+        assert {s.vocab_size // s.model_dim for s in rows} == {16, 32, 64, 128, 256}
+        assert {(s.mode, s.seed) for s in rows} == {(m, k) for m in ("vanilla", "cplm") for k in (0, 1)}
+    span = [s for s in specs if s.part == "plateau"]
+    assert {s.task for s in span} == {"span"} and all(0 < s.plateau_min_steps < s.steps for s in span)
+
+
+def _sweep_row(task, dim, mode, acc, **extra):
+    return dict(part="sweep", task=task, vocab_size=4096, model_dim=dim, mode=mode, seed=0, copy_acc=acc,
+                copy_acc_step0=0.0, copy_nll=1.0, steps=10, steps_done=10, exposures_min=8, exposures_median=16.0,
+                wall_s=1.0, **extra)
+
+
+def test_spamlang_v2_break_point_and_results(tmp_path):
+    results = [_sweep_row("repeat", 256, "vanilla", 1.0), _sweep_row("repeat", 128, "vanilla", 0.9),
+               _sweep_row("repeat", 64, "vanilla", 0.4), _sweep_row("repeat", 32, "vanilla", 0.6),
+               _sweep_row("repeat", 16, "vanilla", 0.1), _sweep_row("repeat", 16, "cplm", 1.0, lam=0.9),
+               _sweep_row("lookup", 256, "vanilla", 0.7), _sweep_row("lookup", 16, "vanilla", 0.6),
+               dict(_sweep_row("span", 64, "cplm", 0.8, lam=0.5), part="plateau", copy_acc_best=0.81, steps=600,
+                    stop="plateau")]
+    assert spamlang.vanilla_break(results, "repeat") == (32, 64)  # the first V/D below 50%, scanning upwards
+    assert spamlang.vanilla_break(results, "lookup") == (256, None)
+    assert spamlang.vanilla_break([_sweep_row("repeat", 256, "vanilla", 0.2)], "repeat") == (None, 16)
+    spamlang.write_v2_results(results, str(tmp_path), "python experiments/spamlang.py --study v2", 12.0)
+    md = (tmp_path / "results.md").read_text()
+    assert "repeat: vanilla breaks between V/D = 32 (>= 50%) and 64 (below)." in md
+    assert "lookup: vanilla stays >= 50% at every V/D of the sweep (up to 256)." in md
+    assert "| repeat | 64 | 64 | vanilla | 0.0% | 40.0% |" in md and "| repeat | 256 | 16 | cplm |" not in md
+    assert "| span | 64 | 64 | cplm | 0.0% | 80.0% | 81.0% | 1.000 | 0.500 | 10 (600) | plateau |" in md
+    assert len(json.loads((tmp_path / "results.json").read_text())["results"]) == len(results)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--study", "v2", "--steps", "5"], ["--study v2", "--steps"]),
+    (["--dims", "12"], ["--dims"]),
+    (["--task", "lookup,nope"], ["--task", "nope"]),
+    (["--jobs", "0"], ["--jobs"]),
+    (["--plateau_min_steps", "10", "--eval_every", "5"], ["--plateau_min_steps"]),
+])
+def test_spamlang_v2_bad_flags_are_one_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        spamlang.parse_args(argv)
+    assert e.value.code == 2
+    assert_one_line(capsys.readouterr().err, *words)
+
+
+def test_spamlang_unsuppliable_held_out_set_is_one_line_exit_1(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--task", "repeat", "--vocabs", "64", "--dims", "16", "--steps", "1", "--min_exposures", "50",
+            "--out", str(out)]
+    assert spamlang.main(argv) == 1
+    assert_one_line(capsys.readouterr().err, "copy target of >= 50")
+    assert not list(out.iterdir())  # no log, no results
+
+
+def test_spamlang_runs_in_parallel_processes_of_one_thread(tmp_path, monkeypatch):
+    # the worker processes (spawned: a fresh interpreter each) import this module by name, as a script run does
+    monkeypatch.setitem(sys.modules, spamlang.__name__, spamlang)
+    monkeypatch.syspath_prepend(str(SPAMLANG.parent))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    args, specs = spamlang.parse_args(["--task", "lookup", "--vocabs", "64", "--dims", "16", "--steps", "2", "--batch",
+                                       "4", "--seq_len", "16", "--eval_seqs", "2", "--min_exposures", "1"])
+    seen = []
+    results = spamlang.run_study(specs, str(tmp_path), 2, lambda so_far: seen.append(len(so_far)))
+    assert [(r["task"], r["mode"]) for r in results] == [("lookup", "vanilla"), ("lookup", "cplm")]  # spec order
+    assert seen == [1, 2]  # written after each run
+    for r in results:
+        config = json.loads((tmp_path / f"lookup_V64_D16_{r['mode']}_seed0.txt").read_text().splitlines()[0][8:])
+        assert config["threads"] == 1 and config["model_dim"] == 16
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the prose race's driver and report (experiments/race.py, experiments/race_report.py)
+
+def _race_log(path, cplm, seed, losses, every=10, diags=None):
+    """A minimal training log: hyperparameters, val lines at steps 0, every, 2 every, ..., diagnostics, final."""
+    total = every * (len(losses) - 1)
+    lines = ["hyperparameters: " + json.dumps({"cplm": cplm, "seed": seed, "run_id": path.stem})]
+    for i, loss in enumerate(losses):
+        lines.append(f"step:{i * every}/{total} val_loss:{loss:.4f} train_time:{i * 1000}ms step_avg:1.00ms")
+    lines.append(f"step:{total}/{total} " + " ".join(f"{k}:{v}" for k, v in (diags or {}).items()))
+    lines.append(f"final val_loss:{losses[-1]:.4f} train_time:{total * 1000}ms steps:{total}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_race_report_gaps_targets_and_the_gate_cost(tmp_path):
+    race_report = _load_experiment("race_report")
+    # vanilla falls linearly 5 -> 3 over 40 steps; CPLM is 0.5 lower at every evaluation, seed 1 another 0.1
+    for seed in (0, 1):
+        v = [5.0 - 0.5 * i + 0.05 * seed for i in range(5)]
+        _race_log(tmp_path / f"v_s{seed}.txt", 0, seed, v,
+                  diags=dict(copy_share=0.6, nll_copyable=2.0, nll_other=4.0 + seed * 0.1))
+        _race_log(tmp_path / f"c_s{seed}.txt", 1, seed, [x - 0.5 - 0.1 * seed for x in v],
+                  diags=dict(copy_share=0.6, nll_copyable=1.0, nll_other=4.5, lam=0.4, lam_other=0.3,
+                             gate_cost_other=0.25 + 0.1 * seed))
+    _race_log(tmp_path / "c_other_s0.txt", 1, 0, [9.0] * 5)  # a name that only starts like the group's
+    out = tmp_path / "table.md"
+    assert race_report.main([str(tmp_path), "--pair", "row=v:c", "--fractions", "0.5,1", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "vanilla seeds [0, 1], CPLM seeds [0, 1], 40 steps" in text
+    # the gap at step 20 is 0.5 and 0.6 (paired): mean 0.55, std 0.071; p of a t of 11 with 1 df
+    row = next(line for line in text.splitlines() if line.startswith("| val loss at step 20 "))
+    assert "| 0.550 +- 0.071 |" in row and "| 0.029 |" in row
+    # targets: vanilla's mean curve (5.025 - 0.5 i) at steps 20 and 40; CPLM (4.5 - 0.5 i, 4.45 - 0.5 i)
+    # reaches 4.025 at step 10 (4.5 - 4.025) / 0.5 = 9.5 and 10 (4.45 - 4.025) / 0.5 = 8.5: 9 +- 0.7 of 20
+    row = next(line for line in text.splitlines() if line.startswith("| step 20 |"))
+    assert "| 4.0250 | 20 | 9 +- 1 | 0.45x |" in row, row
+    row = next(line for line in text.splitlines() if line.startswith("| step 40 |"))
+    assert row.startswith("| step 40 | 3.0250 | 40 |")
+    # NLL on other targets: vanilla 4.0 / 4.1, CPLM 4.5 (worse), of which the gate costs 0.25 / 0.35
+    row = next(line for line in text.splitlines() if "LM head's own NLL" in line)
+    assert "| 4.050 +- 0.071 | 4.200 +- 0.071 | -0.150 +- 0.141 |" in row, row
+    assert "| other targets: gate cost -log(1 - lambda) | | 0.300 +- 0.071 |" in text
+    # bad input: one line, exit 2
+    with pytest.raises(SystemExit) as e:
+        race_report.main([str(tmp_path), "--pair", "nonsense"])
+    assert e.value.code == 2
+    assert race_report.main([str(tmp_path), "--pair", "row=v:missing"]) == 1
+
+
+def test_prose_race_picks_each_modes_best_scale_and_runs_the_headline_first(tmp_path, monkeypatch):
+    race = _load_experiment("race")
+    monkeypatch.setattr(race, "ROOT", str(tmp_path))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with pytest.raises(ValueError, match="sweep is not finished"):
+        race.prose_queue("rows", "logs", ["0", "1"], [])
+    finals = {"vanilla": {"0.25": 4.3, "0.5": 4.1, "1": 4.0, "2": 4.2}, "cplm": {"0.25": 3.75, "0.5": 3.7, "1": 3.9, "2": 3.8}}
+    for mode, by_scale in finals.items():
+        for scale, loss in by_scale.items():
+            _race_log(logs / f"prose_{mode}_lr{scale}_s0.txt", int(mode == "cplm"), 0, [9.0, loss])
+    assert race.best_scales("logs") == {"vanilla": "1", "cplm": "0.5"}
+    queue = race.prose_queue("rows", "logs", ["0", "1"], ["vanilla", "cplm", "cplm_open", "v2048_vanilla"])
+    assert queue == [("prose_vanilla_lr1", "0"), ("prose_vanilla_lr1", "1"), ("prose_cplm_lr0.5", "0"),
+                     ("prose_cplm_lr0.5", "1"), ("prose_cplm_open_lr0.5", "0"), ("prose_v2048_vanilla_lr1", "0"),
+                     ("prose_cplm_open_lr0.5", "1"), ("prose_v2048_vanilla_lr1", "1")]
+    # every configuration runs the same budget and differs from the headline's only where its row says
+    base = race.PROSE_CONFIGS["prose_cplm_lr0.5"]
+    # a run stopped before its end continues from its newest checkpoint, or starts again over its partial log
+    assert race.continuation("logs", "prose_vanilla_lr1_s1") == []
+    (logs / "prose_vanilla_lr1_s1.txt").write_text("step:0/1000 val_loss:9.0 train_time:0ms\n")
+    assert race.continuation("logs", "prose_vanilla_lr1_s1") == ["--overwrite", "1"]
+    (logs / "prose_vanilla_lr1_s1").mkdir()
+    for step in (100, 200):
+        (logs / "prose_vanilla_lr1_s1" / f"state_step{step:06d}.pt").write_bytes(b"")
+    assert race.continuation("logs", "prose_vanilla_lr1_s1") == [
+        "--resume", os.path.join("logs", "prose_vanilla_lr1_s1", "state_step000200.pt")]
+    flag_values = lambda flags: dict(zip(flags[::2], flags[1::2]))  # noqa: E731
+    assert flag_values(race.PROSE_CONFIGS["prose_cplm_open_lr0.5"]) == {**flag_values(base), "--copy_gate_init": "0.5"}
+    assert "--num_iterations" in base and base[base.index("--num_iterations") + 1] == "1000"
+    assert race.PROSE_CONFIGS["prose_bytes_cplm_lr1"][race.PROSE_CONFIGS["prose_bytes_cplm_lr1"].index(
+        "--train_files") + 1] == "data/prose257/prose257_train_*.bin"
+
+
+def test_build_writes_a_byte_level_corpus_without_a_tokenizer(tmp_path):
+    work = _fake_work(tmp_path)
+    s = pc.build(work, tmp_path / "out", vocab_sizes=[257], sources=["git", "gimp"], seed=3, val_fraction=0.25,
+                 min_chars=100, threads=1, log=lambda line: None)
+    v = s["vocab"][257]
+    assert v["vocab_size"] == 257 and v["bos"] == 256 and not (tmp_path / "out/prose257/tokenizer.json").exists()
+    docs = pc.shuffle_documents([(src, n, t) for src in ("git", "gimp") for n, t in
+                                 pc.filter_documents(pc.load_source(next(x for x in pc.SOURCES if x.name == src),
+                                                                    work / "root", work / "docs", 1)[0], 100)[0]], 3)
+    flags = pc.split_flags(len(docs), 3, 0.25)
+    for split in ("train", "val"):
+        path = tmp_path / f"out/prose257/prose257_{split}_000000.bin"
+        tokens = np.fromfile(path, dtype="<u2", offset=1024)
+        texts = [t for (_, _, t), f in zip(docs, flags) if f == (split == "val")]
+        expected = np.concatenate([np.r_[256, np.frombuffer(t.encode(), np.uint8).astype(np.uint16)] for t in texts])
+        np.testing.assert_array_equal(tokens, expected)  # BOS, then each document's UTF-8 bytes
+        assert v["tokens"][split] == expected.size
+    assert pc.parse_args(["--vocab_sizes", "257,2048"]).vocab_sizes == [257, 2048]
+    with pytest.raises(SystemExit):
+        pc.parse_args(["--vocab_sizes", "258"])
+
+
+def test_gate_buckets_split_the_nll_by_the_gate_and_read_checkpoints(toy_data, tmp_path, capsys):
+    gb = _load_experiment("gate_buckets")
+    # by hand, one token per bucket: on a non-copyable target CPLM's NLL = -log(1 - lam) + the LM's own
+    vanilla = {"nll": torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)}
+    cplm = {"nll": torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64),
+            "c": torch.tensor([0.005, 0.05, 0.3, 0.9], dtype=torch.float64),
+            "lam": torch.tensor([0.0, 0.5, 0.2, 0.9], dtype=torch.float64),
+            "copyable": torch.tensor([False, True, False, True])}
+    rows = gb.bucket_table(vanilla, cplm)
+    assert [r["share"] for r in rows] == [0.25] * 4 and [r["copyable"] for r in rows] == [0, 1, 0, 1]
+    assert (rows[0]["vanilla"], rows[0]["cplm"], rows[0]["other_gate_cost"]) == (1.0, 0.5, 0.0)
+    assert rows[2]["other_gate_cost"] == pytest.approx(-math.log(0.8))
+    assert rows[2]["other_cplm_lm"] == pytest.approx(2.0 + math.log(0.8))
+    assert math.isnan(rows[1]["other_vanilla"]) and rows[3]["vanilla"] == 4.0
+    # end to end on checkpoints in the training script's format
+    paths = []
+    for cplm_mode in (0, 1):
+        a = tg.parse_args(tiny_flags(toy_data, tmp_path, cplm=cplm_mode))
+        torch.manual_seed(cplm_mode)
+        model = tg.GPT(tg.GPTConfig.from_args(a))
+        paths.append(str(tmp_path / f"mode{cplm_mode}.pt"))
+        torch.save(dict(step=0, model=model.state_dict(), hyperparameters=dataclasses.asdict(a)), paths[-1])
+    out = tmp_path / "buckets.md"
+    assert gb.main(["--pair", f"{paths[0]}:{paths[1]}", "--tokens", "1024", "--out", str(out)]) == 0
+    text = out.read_text()
+    first_table = text.split("Non-copyable")[0]
+    shares = [float(line.split("|")[2]) for line in first_table.splitlines() if line.startswith("| [")]
+    assert len(shares) == 4 and sum(shares) == pytest.approx(1, abs=0.003)
+    # a swapped pair, a corrupt checkpoint, a malformed flag: one line each
+    capsys.readouterr()
+    assert gb.main(["--pair", f"{paths[1]}:{paths[0]}"]) == 1
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    assert gb.main(["--pair", f"{paths[0]}:{tmp_path / 'bad.pt'}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "first must be a vanilla" in err[0] and "not a readable checkpoint" in err[1]
+    with pytest.raises(SystemExit) as e:
+        gb.main(["--pair", "no-colon"])
+    assert e.value.code == 2

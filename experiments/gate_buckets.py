@@ -15,7 +15,6 @@ share that are copyable, both models' mean NLL and the gap (vanilla - CPLM > 0: 
 over the pairs.
 """
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -31,21 +30,6 @@ GATE_EDGES = (0.0, 0.01, 0.1, 0.5, 1.0)  # c_t buckets: closed, nearly closed, p
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, not argparse's usage block
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def load_model(path):
-    """(model in eval mode, its Hyperparameters) from a checkpoint of train_gpt_cplm.py; DataError if unusable."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        saved = state["hyperparameters"]
-        a = tg.Hyperparameters(**{f.name: saved[f.name] for f in dataclasses.fields(tg.Hyperparameters)
-                                  if f.name in saved})
-        model = tg.GPT(tg.GPTConfig.from_args(a, fp8_head=0))
-        model.load_state_dict(state["model"])
-    except Exception as e:  # unreadable, another format, another model: all the same to the user
-        raise tg.DataError(f"{path}: not a usable checkpoint of train_gpt_cplm.py "
-                           f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
-    return model.eval(), a
 
 
 @torch.no_grad()
@@ -130,7 +114,7 @@ def main(argv=None):
     tables = []
     try:
         for v_path, c_path in pairs:
-            (vanilla, va), (cplm, ca) = load_model(v_path), load_model(c_path)
+            (vanilla, va, _), (cplm, ca, _) = tg.load_model(v_path), tg.load_model(c_path)
             if va.cplm or not ca.cplm:
                 raise tg.DataError(f"--pair {v_path}:{c_path}: the first must be a vanilla checkpoint, the second "
                                    "a CPLM one")
