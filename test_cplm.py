@@ -19,6 +19,22 @@ import train_gpt_cplm as tg
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(ROOT, "train_gpt_cplm.py")
+
+
+def _load(relative_path):
+    """One of the repository's scripts as a module, its folder on sys.path as when it runs as a script
+    (experiments/ import experiments/cli.py; data/ and records/ scripts import their neighbours)."""
+    path = Path(ROOT) / relative_path
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_experiment(name):
+    return _load(f"experiments/{name}.py")
 BOS, VOCAB = 499, 500  # the toy corpora's tokenizer: ids 0..499, BOS 499
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -796,17 +812,8 @@ def test_nan_loss_stops_with_a_message(toy_data, tmp_path):
 
 TOKENIZE = Path(ROOT) / "data" / "tokenize_corpus.py"
 DOWNLOAD = Path(ROOT) / "data" / "cached_fineweb10B.py"
-
-
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tc = _load(TOKENIZE, "data_tokenize_corpus")
-dl = _load(DOWNLOAD, "data_cached_fineweb10B")
+tc = _load("data/tokenize_corpus.py")
+dl = _load("data/cached_fineweb10B.py")
 
 
 def _run(args, env_update=None, unset=(), cwd=None):
@@ -1087,16 +1094,7 @@ def test_download_failure_midway_leaves_no_partial_file(tmp_path, monkeypatch):
 # records/compare.py
 
 COMPARE_PATH = Path(ROOT) / "records" / "compare.py"
-
-
-def _load_compare():
-    spec = importlib.util.spec_from_file_location("records_compare", COMPARE_PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-compare = _load_compare()
+compare = _load("records/compare.py")
 
 # A fake copy of the training script's source, as it appears at the top of
 # every log.  None of these lines may be parsed as measurements.
@@ -1353,7 +1351,7 @@ def test_cli_single_run_says_needs_two(tmp_path):
 
 
 def test_import_has_no_side_effects(capsys):
-    _load_compare()
+    _load("records/compare.py")
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
 
@@ -1379,13 +1377,6 @@ def test_plot_without_matplotlib_is_clean_error(tmp_path, monkeypatch, capsys):
 
 # ====================================================================================================
 # experiments/race.py and experiments/cp_cost.py
-
-
-def _load_experiment(name):
-    spec = importlib.util.spec_from_file_location(f"experiments_{name}", Path(ROOT) / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_race_configurations_are_valid_command_lines():
@@ -1423,16 +1414,9 @@ def test_cp_cost_naive_baseline_computes_the_same_lses():
 # ====================================================================================================
 # experiments/spamlang.py
 
-def _load_spamlang():
-    path = Path(ROOT) / "experiments" / "spamlang.py"
-    spec = importlib.util.spec_from_file_location("spamlang", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, path
-
-
-spamlang, SPAMLANG = _load_spamlang()
-REPO = SPAMLANG.parent.parent
+spamlang = _load_experiment("spamlang")
+SPAMLANG = Path(ROOT) / "experiments" / "spamlang.py"
+REPO = Path(ROOT)
 
 
 def _in_context(inputs, targets):
@@ -1537,7 +1521,7 @@ def test_gpu_cp_check_runs_and_passes_on_cpu(monkeypatch, capsys):
     FlexAttention's math path (its CPU device check lifted), so a rare GPU session gets a working script."""
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
-    check = _load(Path(ROOT) / "records" / "gpu" / "cuda_cp_check.py", "cuda_cp_check")
+    check = _load("records/gpu/cuda_cp_check.py")
     torch._dynamo.reset()
     assert check.main("cpu", T=512, compile_backend="aot_eager") == 0
     out = capsys.readouterr().out
@@ -1800,10 +1784,6 @@ def test_compare_bad_target_and_unwritable_plot_are_one_line(tmp_path, monkeypat
 # experiments/*.py
 
 
-def _experiment(name):
-    return _load(Path(ROOT) / "experiments" / f"{name}.py", f"tools_{name}")
-
-
 @pytest.mark.parametrize("argv,code,words", [
     ([], 2, ["what"]),
     (["memory", "--lengths", "4k"], 2, ["--lengths"]),
@@ -1812,7 +1792,7 @@ def _experiment(name):
     (["step_time", "--", "--train_files", "nowhere/none_*.bin"], 1, ["nowhere/none_*.bin"]),  # missing data
 ])
 def test_cp_cost_bad_input_is_one_line(argv, code, words, capsys):
-    cp_cost = _experiment("cp_cost")
+    cp_cost = _load_experiment("cp_cost")
     try:
         rc = cp_cost.main(argv)
     except SystemExit as e:
@@ -1829,7 +1809,7 @@ def test_cp_cost_bad_input_is_one_line(argv, code, words, capsys):
     (["--study", "nope"], ["--study"]),
 ])
 def test_race_checks_its_flags_before_building_corpora(argv, words, monkeypatch, capsys):
-    race = _experiment("race")
+    race = _load_experiment("race")
     monkeypatch.setattr(race, "ensure_corpora", lambda: pytest.fail("corpora built before the flags were checked"))
     with pytest.raises(SystemExit) as e:
         race.main(argv)
@@ -1838,7 +1818,7 @@ def test_race_checks_its_flags_before_building_corpora(argv, words, monkeypatch,
 
 
 def test_race_stops_when_the_tokenizer_fails(tmp_path, monkeypatch, capfd):
-    race = _experiment("race")
+    race = _load_experiment("race")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "tokenize_corpus.py").write_text(
         "import sys\nprint('error: could not load the GPT-2 tokenizer', file=sys.stderr)\nsys.exit(1)\n")
@@ -1854,7 +1834,7 @@ def test_race_stops_when_the_tokenizer_fails(tmp_path, monkeypatch, capfd):
     (["--modes", "cplm,other"], ["--modes"]),
 ])
 def test_spamlang_bad_flags_are_one_line(argv, words, capsys):
-    spamlang = _experiment("spamlang")
+    spamlang = _load_experiment("spamlang")
     with pytest.raises(SystemExit) as e:
         spamlang.parse_args(argv)
     assert e.value.code == 2
@@ -1862,7 +1842,7 @@ def test_spamlang_bad_flags_are_one_line(argv, words, capsys):
 
 
 def test_spamlang_out_under_a_file_is_one_line_exit_1(tmp_path, capsys):
-    spamlang = _experiment("spamlang")
+    spamlang = _load_experiment("spamlang")
     (tmp_path / "plain").write_text("a regular file")
     out = tmp_path / "plain" / "results"
     assert spamlang.main(["--vocabs", "512", "--steps", "1", "--out", str(out)]) == 1
@@ -1873,8 +1853,8 @@ def test_spamlang_out_under_a_file_is_one_line_exit_1(tmp_path, capsys):
 # the prose corpus builder (data/prose_corpus.py) and experiments/copy_share.py: tiny trees, no apt, no network
 
 
-pc = _load(Path(ROOT) / "data" / "prose_corpus.py", "data_prose_corpus")
-cs = _load(Path(ROOT) / "experiments" / "copy_share.py", "experiments_copy_share")
+pc = _load("data/prose_corpus.py")
+cs = _load_experiment("copy_share")
 
 PROSE = ("The kernel keeps a list of the tasks that are ready to run, and it picks the next one when the\n"
          "current task blocks or uses up its time slice. This is what we call scheduling, and it is one of\n"

@@ -6,6 +6,7 @@ experiments/ (sample, needle, inference_memory, copy_picture) on tiny checkpoint
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +170,10 @@ SENTENCES = ["The river runs past the old mill and into the quiet valley below."
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"experiments_{name}", ROOT / "experiments" / f"{name}.py")
+    """experiments/<name>.py as a module, experiments/ on sys.path as when it runs as a script."""
+    if str(ROOT / "experiments") not in sys.path:
+        sys.path.insert(0, str(ROOT / "experiments"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

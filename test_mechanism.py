@@ -19,7 +19,8 @@ SCRIPT = os.path.join(ROOT, "experiments", "mechanism.py")
 BOS, VOCAB = 99, 100
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
-_spec = importlib.util.spec_from_file_location("experiments_mechanism", SCRIPT)
+sys.path.insert(0, os.path.dirname(SCRIPT))  # experiments/, as when the script runs: it imports experiments/cli.py
+_spec = importlib.util.spec_from_file_location("mechanism", SCRIPT)
 mech = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mech)
 
@@ -364,3 +365,51 @@ def test_missing_corrupt_and_mismatched_checkpoints_exit_2_in_one_line(run_folde
     assert mech.main(["grad", "--checkpoints", str(good), "--rows", "3"]) == 2  # the toy run has 2 rows of 128
     err = capsys.readouterr().err
     assert "validation set has 2 rows" in err and err.count("\n") == 1, err
+
+
+def test_seed_groups_average_the_seeds_of_a_run_and_only_steps_every_seed_has():
+    def fake(run_id, step, lm):
+        cells = {b: [lm, 10] for b in (*mech.BUCKETS, "all")}
+        return {"run_id": run_id, "step": step, "mode": "vanilla", "loss": lm, "ratios": {"lm": cells},
+                "rows": 1, "row_tokens": 10, "random_direction_share": 0.1, "check": None}
+    results = [fake("a_s0", 0, 1.0), fake("a_s0", 100, 2.0), fake("a_s1", 0, 3.0), fake("b_s0", 0, 5.0)]
+    groups = mech.seed_groups(results)
+    assert list(groups) == ["a"] and sorted(groups["a"]) == [0, 100]  # b has one seed: no mean of it
+    md = mech.grad_markdown(results, "cmd")
+    mean_rows = [line for line in md.splitlines() if line.startswith("| a_s* |")]
+    assert mean_rows == ["| a_s* | 2 | 0 | 2 +- 1.4 | LM | 2 +- 1.4 | 2 +- 1.4 | 2 +- 1.4 | 2 +- 1.4 |"]
+    assert mech.mean_std([4.0]) == "4"
+
+
+def test_cp_pattern_is_the_pointer_that_the_dense_mixture_copies_with():
+    """p(v) = (1 - lam) / (1 - c) p_full(v) + c sum_{x_tau = v} alpha(tau), lam = c (1 - s), s = 1 - sum alpha:
+    rebuilt from cp_pattern's alpha, it equals the dense reference's distribution at every slot."""
+    model = tiny_model(1)
+    ids, _ = packed_rows(2, 24, seed=3)
+    alpha = mech.cp_pattern(model, ids)
+    assert torch.all(alpha.triu(1) == 0) and torch.all(alpha.sum(-1) <= 1 + 1e-6)
+    with torch.no_grad():
+        h, _ = model.hidden_states(ids)
+        logits = model.lm_logits(h).float()
+        logits[..., model.config.copy_id] += model.copy_logit_bias
+        p_full = logits.softmax(-1)
+        c = p_full[..., model.config.copy_id]
+        s = 1 - alpha.sum(-1)
+        lam = c * (1 - s)
+        copied = torch.zeros_like(p_full).scatter_add_(-1, ids[:, None, :].expand_as(alpha), alpha)
+        p = ((1 - lam) / (1 - c))[..., None] * p_full + c[..., None] * copied
+        p[..., model.config.copy_id] = 0
+        expected = model.next_token_log_probs(ids).exp()
+    torch.testing.assert_close(p, expected, atol=1e-5, rtol=1e-4)
+
+
+
+def test_zeroing_a_head_where_it_enters_c_proj_is_zeroing_its_columns_of_c_proj():
+    model = tiny_model(1)
+    ids = mech.repeated_sequences(3, 8, VOCAB, BOS, seed=1)
+    ablated = mech.second_copy_loss_without(model, ids, 8, layer=1, head=1)
+    assert ablated != mech.in_context_loss(model, ids, 8)[1]  # the hook is gone afterwards: the model is whole
+    attn = model.blocks[1].attn
+    with torch.no_grad():
+        attn.c_proj.weight[:, attn.head_dim:2 * attn.head_dim] = 0
+    assert abs(ablated - mech.in_context_loss(model, ids, 8)[1]) < 1e-5

@@ -167,7 +167,7 @@ def check_args(a: Hyperparameters):
 
     need(a.cplm in (0, 1), f"--cplm must be 0 or 1, not {a.cplm}")
     need(a.seq_len > 0 and a.seq_len % 128 == 0, f"--seq_len must be a positive multiple of 128, not {a.seq_len}")
-    need(a.val_seq_len > 0 and a.val_seq_len % 128 == 0, f"--val_seq_len must be a positive multiple of 128")
+    need(a.val_seq_len > 0 and a.val_seq_len % 128 == 0, "--val_seq_len must be a positive multiple of 128")
     need(a.batch_size > 0 and a.batch_size % a.seq_len == 0, "--batch_size must be a multiple of --seq_len")
     need(a.val_tokens > 0 and a.val_tokens % a.val_seq_len == 0, "--val_tokens must be a multiple of --val_seq_len")
     need(a.num_heads >= 1 and a.model_dim >= a.num_heads, "--num_heads must be >= 1 and --model_dim >= --num_heads")
@@ -1367,15 +1367,14 @@ def read_checkpoint(a: Hyperparameters, device):
     return state
 
 
-def load_model(path, device="cpu", max_seq_len=0):
-    """A trained model from a checkpoint that save_checkpoint wrote, for inference: (model in eval mode,
-    its run's Hyperparameters, the step it was saved at). max_seq_len: the longest sequence it will run;
-    the rotary table is not saved, so it is rebuilt this long (never shorter than training's). A missing,
-    unreadable or mismatched file is a DataError (one line)."""
+def read_model_checkpoint(path, device="cpu", mmap=False):
+    """(its run's Hyperparameters, the step it was saved at, the weights) of a checkpoint that save_checkpoint
+    wrote; mmap=True reads the weights from disk only when they are used (listing many checkpoints). A
+    missing, unreadable or unresolved file is a DataError (one line)."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such checkpoint file")
     try:
-        state = torch.load(path, map_location=device, weights_only=False)
+        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
         saved, step, weights = state["hyperparameters"], state["step"], state["model"]
         assert isinstance(saved, dict) and isinstance(step, int) and isinstance(weights, dict)
     except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
@@ -1383,6 +1382,18 @@ def load_model(path, device="cpu", max_seq_len=0):
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
     known = {f.name for f in dataclasses.fields(Hyperparameters)}
     a = dataclasses.replace(Hyperparameters(), **{k: v for k, v in saved.items() if k in known})
+    if a.vocab_size <= 0 or a.bos_id < 0:
+        raise DataError(f"{path}: its hyperparameters have no resolved vocabulary "
+                        f"(vocab_size {a.vocab_size}, bos_id {a.bos_id})")
+    return a, step, weights
+
+
+def load_model(path, device="cpu", max_seq_len=0):
+    """A trained model from a checkpoint that save_checkpoint wrote, for inference: (model in eval mode,
+    its run's Hyperparameters, the step it was saved at). max_seq_len: the longest sequence it will run;
+    the rotary table is not saved, so it is rebuilt this long (never shorter than training's). A missing,
+    unreadable or mismatched file is a DataError (one line)."""
+    a, step, weights = read_model_checkpoint(path, device)
     try:
         config = GPTConfig.from_args(a)
     except ValueError as e:

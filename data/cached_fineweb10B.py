@@ -144,7 +144,7 @@ def download(num_train, edu=False, local_dir=None, out=print):
     return 0
 
 
-class OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):  # its own: this script must run when copied alone
     def error(self, message):  # one line and exit 2, not argparse's usage block
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 

@@ -10,11 +10,9 @@ Shared by sample.py, needle.py and copy_picture.py. Which tokenizer, in this ord
 """
 import json
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the training script lives in the repository root
-    sys.path.insert(0, ROOT)
+import cli  # noqa: F401,E402  (experiments/cli.py puts the repository root on sys.path)
+
 import train_gpt_cplm as tg  # noqa: E402
 
 

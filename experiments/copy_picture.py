@@ -18,7 +18,6 @@ by the copy share). Computed densely (T x T scores, the training forward with th
 so texts of a few thousand tokens. Exit codes: 0 done, 1 unreadable checkpoint, tokenizer or text,
 2 bad command line or a vanilla checkpoint (it has no CP head).
 """
-import argparse
 import html
 import json
 import os
@@ -26,15 +25,10 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from codec import CodecError, codec_for  # noqa: E402  (codec puts the repository root on sys.path)
+from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
+from codec import CodecError, codec_for
+
 import train_gpt_cplm as tg  # noqa: E402
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def parse_args(argv=None):

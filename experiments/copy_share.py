@@ -12,7 +12,6 @@ earlier position of the document). The paper reports about 60% for FineWeb-Edu w
 Prints a table and one JSON line. Exit codes: 0 done, 1 unreadable data (no file matches, not a shard,
 mixed vocabularies), 2 bad command line.
 """
-import argparse
 import glob
 import json
 import os
@@ -20,9 +19,10 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cli import ROOT, OneLineParser  # experiments/cli.py
+
 sys.path.insert(0, os.path.join(ROOT, "data"))
-from tokenize_corpus import OneLineParser, read_shard, read_shard_header  # noqa: E402
+from tokenize_corpus import read_shard, read_shard_header  # noqa: E402
 
 GPT2_BOS = 50256
 CHUNK_TOKENS = 1 << 24  # tokens analysed at once (whole documents; bounded memory)

@@ -10,9 +10,7 @@ memory runs every (implementation, length) in a fresh subprocess and reports its
 process's baseline: the chunked dense path of train_gpt_cplm (what the CPU trains with) against a naive
 dense one that builds the full (T, T) score and mask matrices.
 """
-import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -21,7 +19,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
+
 import train_gpt_cplm as tg  # noqa: E402
 
 
@@ -116,11 +115,6 @@ def memory(args):
         c, n = (next(r for r in rows if r["T"] == T and r["impl"] == i) for i in ("chunked", "naive"))
         print(f"{T:>6} {c['peak_mib_above_baseline']:>12.0f} {n['peak_mib_above_baseline']:>10.0f} "
               f"{c['seconds']:>10.2f} {n['seconds']:>8.2f}")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def main(argv=None):

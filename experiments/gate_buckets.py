@@ -14,22 +14,16 @@ Buckets are the CPLM model's gate c_t = p_full(<copy>) at each target. Per bucke
 share that are copyable, both models' mean NLL and the gap (vanilla - CPLM > 0: CPLM better), mean +- std
 over the pairs.
 """
-import argparse
 import math
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
+
 import train_gpt_cplm as tg  # noqa: E402
 
 GATE_EDGES = (0.0, 0.01, 0.1, 0.5, 1.0)  # c_t buckets: closed, nearly closed, partly open, mostly open
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 @torch.no_grad()

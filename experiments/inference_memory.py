@@ -23,7 +23,6 @@ Three numbers per (configuration, context), which must agree:
             of one CPU core each.
 The model's weights (the same for every row) are not counted: only what grows with the context.
 """
-import argparse
 import dataclasses
 import os
 import sys
@@ -31,9 +30,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the training script lives in the repository root
-    sys.path.insert(0, ROOT)
+from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
+
 import train_gpt_cplm as tg  # noqa: E402
 
 BF16_BYTES, ID_BYTES = 2, 4
@@ -46,11 +44,6 @@ CONFIGS = [
     ("vanilla, window 256/128 (long layers at the window of the paper's SW needle model)", 0, 2),
     ("CPLM, window 256/128 (long layers at the window of the paper's SW needle model)", 1, 2),
 ]
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def speedrun_config(cplm, max_seq_len) -> tg.GPTConfig:

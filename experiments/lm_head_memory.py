@@ -10,16 +10,14 @@ inputs, and every allocation of at least tokens x vocab bytes is listed, so an (
 vanilla: the record's F.cross_entropy on the soft-capped logits (train_gpt_cplm.vanilla_nll);
 cplm: train_gpt_cplm.cplm_target_log_prob (its LM-head terms and the CP head's sums, dense backend).
 """
-import argparse
 import json
-import os
-import sys
 
 import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
+
 import train_gpt_cplm as tg  # noqa: E402
 
 SOFTCAP, COPY_ID, CP_DIM = 15.0, 50257, 64
@@ -67,11 +65,6 @@ def allocations(fn, args):
         live += size
         peak = max(peak, live)
     return peak, [size for _, size in sorted(events) if size > 0]
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def main(argv=None):

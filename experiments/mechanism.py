@@ -75,6 +75,12 @@ the heads' output that the layer hands to c_proj):
   previous-token score = mean attention from the same positions i to i - 1: the other half of an
       induction circuit (a head that writes the previous token into each position, for a later head's keys;
       or, in a CPLM, for the CP head's keys).
+  CP head prefix (CPLM) = the same prefix-matching score for the CP head's pointer alpha_i(tau) (keys at the
+      inputs: a pointer to i - period + 1 copies the token that followed the earlier occurrence of x_i, the
+      next token). An induction head made of a previous-token head in the backbone (for the keys) and the CP
+      head (for the match) scores high here and nowhere in the attention heads' columns.
+  Ablation: the loss on the second copy again, with one head's output zeroed where it enters c_proj, for every
+      head; the tables give it for the strongest previous-token head and the largest over the other heads.
   A head counts as an induction head when its prefix-matching score is above --threshold (0.4: at least 40%
   of the head's attention on the one position out of about 100 visible ones that an induction head
   attends to, 25-50x what uniform attention puts there (1/(i+1): 0.016 at i = 64, 0.008 at i = 127);
@@ -84,8 +90,6 @@ the heads' output that the layer hands to c_proj):
 Exit codes: 0 done; 2 a bad command line or a missing, unreadable or mismatched checkpoint (one line);
 1 missing or malformed validation data (one line, train_gpt_cplm's DataError).
 """
-import argparse
-import dataclasses
 import glob
 import json
 import math
@@ -97,9 +101,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the training script lives in the repository root
-    sys.path.insert(0, ROOT)
+from cli import ROOT, OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
+
 import train_gpt_cplm as tg  # noqa: E402
 
 BUCKETS = ("early", "middle", "late")
@@ -110,11 +113,6 @@ CHECK_TOLERANCE = 1e-3  # relative: the dense mixture against the training loss,
 
 class CheckpointError(Exception):
     """A missing, unreadable or mismatched checkpoint: one line, exit 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -132,29 +130,6 @@ class Entry:
     @property
     def mode(self):
         return "cplm" if self.hp.cplm else "vanilla"
-
-
-def hyperparameters_of(saved, where):
-    fields = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
-    hp = dataclasses.replace(tg.Hyperparameters(), **{k: v for k, v in saved.items() if k in fields})
-    if hp.vocab_size <= 0 or hp.bos_id < 0:
-        raise CheckpointError(f"{where}: its hyperparameters have no resolved vocabulary (vocab_size "
-                              f"{hp.vocab_size}, bos_id {hp.bos_id})")
-    return hp
-
-
-def read_state(path):
-    """The checkpoint's dict, checked, or a one-line CheckpointError."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such checkpoint file")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: read what is used
-        assert isinstance(state["hyperparameters"], dict) and isinstance(state["step"], int)
-        assert isinstance(state["model"], dict)
-    except Exception as e:  # truncated, another format, missing keys: all the same to the user
-        detail = str(e).splitlines()[0][:160] if str(e) else ""
-        raise CheckpointError(f"{path}: not a readable checkpoint of train_gpt_cplm.py ({type(e).__name__}: {detail})")
-    return state
 
 
 def step_of(path):
@@ -177,11 +152,11 @@ def expand_checkpoints(paths, step0):
             raise CheckpointError(f"{given}: no such checkpoint file or run folder")
         run = []
         for path in files:
-            state = read_state(path)
-            hp = hyperparameters_of(state["hyperparameters"], path)
-            run.append(Entry(hp.run_id or os.path.basename(os.path.dirname(os.path.abspath(path))), state["step"],
-                             hp, path))
-            del state
+            try:
+                hp, step, _ = tg.read_model_checkpoint(path, mmap=True)  # mmap: the weights are not read here
+            except tg.DataError as e:  # a bad checkpoint is a bad argument here: exit 2, as documented
+                raise CheckpointError(str(e))
+            run.append(Entry(hp.run_id or os.path.basename(os.path.dirname(os.path.abspath(path))), step, hp, path))
         if step0 == 1 or (step0 == -1 and os.path.isdir(given)):
             first = run[0]
             run.insert(0, Entry(first.run_id, 0, first.hp, None))
@@ -198,17 +173,16 @@ def expand_checkpoints(paths, step0):
 def build_model(entry: Entry):
     """The model of an entry in eval mode on the CPU, float32, dense attention and dense CP sums. The step-0
     model is built as train_gpt_cplm.train builds it: torch.manual_seed(seed), then GPT(GPTConfig)."""
-    torch.manual_seed(entry.hp.seed)
-    model = tg.GPT(tg.GPTConfig.from_args(entry.hp))
-    if entry.path is not None:
-        weights = read_state(entry.path)["model"]
+    if entry.path is None:
+        torch.manual_seed(entry.hp.seed)
+        model = tg.GPT(tg.GPTConfig.from_args(entry.hp)).eval()
+    else:
         try:
-            model.load_state_dict(weights)
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise CheckpointError(f"{entry.path}: its weights do not fit the model its hyperparameters describe "
-                                  f"({str(e).splitlines()[0][:160]})")
+            model = tg.load_model(entry.path)[0]
+        except tg.DataError as e:
+            raise CheckpointError(str(e))
     model.attention_backend = model.cp_backend = "dense"  # FlexAttention only where it is compiled for CUDA
-    return model.eval()
+    return model
 
 
 def window_of(entry: Entry):
@@ -375,8 +349,28 @@ def grad_command(args, entries):
     return results
 
 
+def seed_groups(results):
+    """{run id without its _s<seed> suffix: {step: [results of its seeds]}} for the runs given with two or more
+    seeds (the race's run ids end in _s0, _s1, ...); {} when no run has a second seed."""
+    groups = {}
+    for r in results:
+        stem = re.sub(r"_s\d+$", "", r["run_id"])
+        groups.setdefault(stem, {}).setdefault(r["step"], []).append(r)
+    return {stem: by_step for stem, by_step in groups.items()
+            if len({r["run_id"] for rs in by_step.values() for r in rs}) >= 2}
+
+
+def mean_std(values):
+    """'mean +- sample std' of a list (the std over seeds), or the one value."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return f"{mean:.3g}"
+    return f"{mean:.3g} +- {math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)):.2g}"
+
+
 def grad_markdown(results, command):
-    lines = [f"# Gradient norm through each head: ||dL/dh via head|| / ||dL/d(head logits)||", "",
+    lines = ["# Gradient norm through each head: ||dL/dh via head|| / ||dL/d(head logits)||", "",
              f"`{command}`", "",
              "Per token, then the plain mean over the tokens of each bucket (context position n in the first, "
              "second, last third of the row). LM: the LM head's linear output u (padded vocabulary, before the "
@@ -385,6 +379,23 @@ def grad_markdown(results, command):
              "Definitions: experiments/mechanism.py. loss: the mean next-token loss on these rows.",
              "", "| run | step | mode | loss | head | " + " | ".join(BUCKETS) + " | all |",
              "| --- | ---: | --- | ---: | --- | " + " | ".join("---:" for _ in BUCKETS) + " | ---: |"]
+    groups = seed_groups(results)
+    if groups:  # the seeds' mean first: the table to read; every checkpoint follows
+        lines[-2:-2] = ["Mean +- std over the seeds of each run (steps every seed has), then every checkpoint.", "",
+                        "| runs | seeds | step | loss | head | " + " | ".join(BUCKETS) + " | all |",
+                        "| --- | ---: | ---: | ---: | --- | " + " | ".join("---:" for _ in BUCKETS) + " | ---: |"]
+        seeds_lines = []
+        for stem, by_step in groups.items():
+            n = max(len(rs) for rs in by_step.values())
+            for step, rs in sorted(by_step.items()):
+                if len(rs) < n:
+                    continue
+                for head in rs[0]["ratios"]:
+                    seeds_lines.append(f"| {stem}_s* | {n} | {step} | {mean_std([r['loss'] for r in rs])} | "
+                                       f"{HEAD_NAMES[head]} | " + " | ".join(
+                                           mean_std([r["ratios"][head][b][0] for r in rs]) for b in (*BUCKETS, "all"))
+                                       + " |")
+        lines[-2:-2] = seeds_lines + [""]
     for r in results:
         for head, cells in r["ratios"].items():
             lines.append(f"| {r['run_id']} | {r['step']} | {r['mode']} | {r['loss']:.3f} | {HEAD_NAMES[head]} | "
@@ -582,12 +593,45 @@ def induction_scores(model, input_ids, period, window=None):
     return out
 
 
+def cp_pattern(model, input_ids, window=None):
+    """The CP head's alpha_t(tau) over the positions (B, T, T), rows the queries; the sink's share is the rest
+    of each row. With the inputs as keys, a pointer to tau copies x_tau: on the second copy, the earlier
+    occurrence of the next token sits at i - period + 1, where prefix_matching_scores looks."""
+    with torch.no_grad():
+        h, doc_ids = model.hidden_states(input_ids, window)
+        q, k, sink_key = (x.float() for x in model.cp_head(h))
+        scale = q.size(-1) ** -0.5
+        T = input_ids.size(-1)
+        allowed = torch.ones(T, T, dtype=torch.bool).tril() & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+        a_sink = (q @ sink_key * scale)[..., None]
+        return torch.cat([scores, a_sink], -1).softmax(-1)[..., :T]
+
+
 def in_context_loss(model, input_ids, period, window=None):
     """Mean next-token loss on the first copy (targets 1 .. period - 1) and on the second (targets period + 1 ..
     2 period - 1)."""
     with torch.no_grad():
         nll = model(input_ids[:, :-1], input_ids[:, 1:], window, token_stats=True)["nll"]
     return float(nll[:, :period - 1].mean()), float(nll[:, period:].mean())
+
+
+def second_copy_loss_without(model, input_ids, period, layer, head, window=None):
+    """The loss on the second copy with one head's output zeroed where it enters c_proj (a causal test: a head
+    the copying relies on raises it)."""
+    attn = model.blocks[layer].attn
+    cols = slice(head * attn.head_dim, (head + 1) * attn.head_dim)
+
+    def zero_head(module, args):
+        y = args[0].clone()
+        y[..., cols] = 0
+        return (y,)
+
+    handle = attn.c_proj.register_forward_pre_hook(zero_head)
+    try:
+        return in_context_loss(model, input_ids, period, window)[1]
+    finally:
+        handle.remove()
 
 
 def induction_command(args, entries):
@@ -600,11 +644,15 @@ def induction_command(args, entries):
         window = window_of(e)
         scores = induction_scores(model, ids, args.period, window)
         first, second = in_context_loss(model, ids, args.period, window)
+        cp_prefix = (float(prefix_matching_scores(cp_pattern(model, ids, window), args.period).mean())
+                     if model.cp_head is not None else None)
         L, H = len(model.blocks), model.config.num_heads
         per_head = {key: [[float(scores[i][key][h]) if i in scores else None for h in range(H)] for i in range(L)]
                     for key in SCORES}
+        per_head["ablated"] = [[second_copy_loss_without(model, ids, args.period, i, h, window) if i in scores
+                                else None for h in range(H)] for i in range(L)]
         results.append({"run_id": e.run_id, "step": e.step, "mode": e.mode, "layers": L, "heads": H, **per_head,
-                        "nll_first_copy": first, "nll_second_copy": second})
+                        "nll_first_copy": first, "nll_second_copy": second, "cp_prefix": cp_prefix})
         del model
     return results
 
@@ -612,11 +660,19 @@ def induction_command(args, entries):
 def induction_counts(r, threshold):
     heads = [(p, q, c) for lp, lq, lc in zip(r["prefix"], r["previous"], r["copying"])
              for p, q, c in zip(lp, lq, lc) if p is not None]
+    ablated = [a for la in r["ablated"] for a in la if a is not None]
+    top = max(range(len(heads)), key=lambda j: heads[j][1], default=None)  # the strongest previous-token head
     return {"heads": len(heads), "induction": sum(p > threshold for p, _, _ in heads),
+            "top_previous_ablated": ablated[top] if top is not None else float("nan"),
+            "others_ablated": max((a for j, a in enumerate(ablated) if j != top), default=float("nan")),
             "induction_copying": sum(p > threshold and c > 0 for p, _, c in heads),
             "previous_token": sum(q > threshold for _, q, _ in heads),
             "max_prefix": max((p for p, _, _ in heads), default=float("nan")),
             "max_previous": max((q for _, q, _ in heads), default=float("nan"))}
+
+
+def cp_prefix_cell(r):
+    return "-" if r.get("cp_prefix") is None else f"{r['cp_prefix']:.3f}"
 
 
 def induction_markdown(results, args, command):
@@ -628,16 +684,42 @@ def induction_markdown(results, args, command):
              "i - 1; copying = the logit (before the soft-cap, centred over the vocabulary) that the value of each "
              "attended position j alone would add to j's own token along the direct path to the LM head, averaged "
              f"with the head's attention weights. Induction head: prefix > {t}. "
-             "NLL: the model's next-token loss on the first copy (unpredictable) and on the second (copyable). "
+             "CP head prefix: the same prefix-matching score for the CP head's pointer alpha (CPLM): its weight on "
+             "the earlier occurrence of the next token, the position an induction head copies from. "
+             "NLL: the model's next-token loss on the first copy (unpredictable) and on the second (copyable); "
+             "then on the second with the strongest previous-token head's output zeroed, and the largest it gets "
+             "with any other single head zeroed (a causal test of what the copying relies on). "
              "Definitions: experiments/mechanism.py.", "",
              f"| run | step | mode | attention heads | prefix > {t} | ... and copying > 0 | max prefix | "
-             f"previous > {t} | max previous | NLL first copy | NLL second copy |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"previous > {t} | max previous | CP head prefix | NLL first copy | NLL second copy | "
+             "... that head ablated | ... another ablated (max) |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    groups = seed_groups(results)
+    if groups:  # the seeds' mean first, then every checkpoint
+        head = lines[-2:]
+        lines[-2:] = ["Mean +- std over the seeds of each run (steps every seed has), then every checkpoint.", "",
+                      f"| runs | seeds | step | prefix > {t} | max prefix | previous > {t} | max previous | "
+                      "CP head prefix | NLL first copy | NLL second copy | ... top previous head ablated | "
+                      "... another ablated (max) |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for stem, by_step in groups.items():
+            n = max(len(rs) for rs in by_step.values())
+            for step, rs in sorted(by_step.items()):
+                if len(rs) < n:
+                    continue
+                cs = [induction_counts(r, t) for r in rs]
+                lines.append(f"| {stem}_s* | {n} | {step} | " + " | ".join(
+                    mean_std([c[k] for c in cs]) for k in ("induction", "max_prefix", "previous_token", "max_previous"))
+                    + f" | {mean_std([r['cp_prefix'] for r in rs]) if rs[0].get('cp_prefix') is not None else '-'}"
+                    + f" | {mean_std([r['nll_first_copy'] for r in rs])} | {mean_std([r['nll_second_copy'] for r in rs])}"
+                    + f" | {mean_std([c['top_previous_ablated'] for c in cs])} | {mean_std([c['others_ablated'] for c in cs])} |")
+        lines += [""] + head
     for r in results:
         c = induction_counts(r, t)
         lines.append(f"| {r['run_id']} | {r['step']} | {r['mode']} | {c['heads']} | {c['induction']} | "
                      f"{c['induction_copying']} | {c['max_prefix']:.3f} | {c['previous_token']} | "
-                     f"{c['max_previous']:.3f} | {r['nll_first_copy']:.3f} | {r['nll_second_copy']:.3f} |")
+                     f"{c['max_previous']:.3f} | {cp_prefix_cell(r)} | {r['nll_first_copy']:.3f} | "
+                     f"{r['nll_second_copy']:.3f} | {c['top_previous_ablated']:.3f} | {c['others_ablated']:.3f} |")
     if results:
         H = max(r["heads"] for r in results)
         lines += ["", "Per head: prefix / previous / copying; '-': a layer without attention.", "",

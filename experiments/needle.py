@@ -22,7 +22,6 @@ Attention uses the window the checkpoint was trained with at its step (--attenti
 (exact-match accuracy per context and depth), the raw trials as JSON and, when matplotlib is installed, a
 heat map PNG into --out. Exit codes: 0 done, 1 unreadable checkpoint, tokenizer or data, 2 bad command line.
 """
-import argparse
 import json
 import os
 import random
@@ -33,19 +32,14 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from codec import CodecError, codec_for  # noqa: E402  (codec puts the repository root on sys.path)
+from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
+from codec import CodecError, codec_for
+
 import train_gpt_cplm as tg  # noqa: E402
 
 NEEDLE = " The magic number is {}."
 CUE = " What is the magic number? The magic number is"
 NUM_DEPTHS = 8
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def parse_args(argv=None):

@@ -18,14 +18,14 @@ again. `--study gate` runs GATE_CONFIGS instead (records/gate_init): the choice 
     python experiments/race.py --study prose --stage rows --seeds 0,1,2  # every row at the best scales
 and writes OUT/summary.md (experiments/race_report.py). Its rows are described at PROSE_ROWS below.
 """
-import argparse
 import glob
 import os
 import subprocess
 import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from cli import ROOT, OneLineParser  # experiments/cli.py
+
 SW = ["--attn_window", "128", "--attn_window_start", "128"]
 BYTES = ["--train_files", "data/pystdlib_bytes/pystdlib_bytes_train_*.bin",
          "--val_files", "data/pystdlib_bytes/pystdlib_bytes_val_*.bin",
@@ -154,11 +154,6 @@ def continuation(log_dir, run_id):
     if saved:
         return ["--resume", os.path.relpath(saved[-1], ROOT)]
     return ["--overwrite", "1"] if os.path.exists(os.path.join(ROOT, log_dir, run_id + ".txt")) else []
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def main(argv=None):

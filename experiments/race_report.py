@@ -18,20 +18,16 @@ A group is every log LOG_DIR/<prefix>_s<seed>.txt. For each pair (a row) it repo
 `--sweep` prints the final val loss of every learning-rate scale of each mode (seed 0), the basis of the
 choice of each mode's best scale.
 """
-import argparse
 import glob
 import math
 import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "records"))
+from cli import ROOT, OneLineParser  # experiments/cli.py
+
+sys.path.insert(0, os.path.join(ROOT, "records"))
 import compare  # noqa: E402  (records/compare.py: log parsing and the t distribution)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def load_group(log_dir, prefix):

@@ -12,19 +12,12 @@ Attention uses the window the checkpoint was trained with at its step (--attenti
 Prints the prompt and the continuation. Exit codes: 0 done, 1 missing or unreadable checkpoint or
 tokenizer, 2 bad command line.
 """
-import argparse
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from codec import CodecError, codec_for  # noqa: E402  (codec puts the repository root on sys.path)
+from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
+from codec import CodecError, codec_for
+
 import train_gpt_cplm as tg  # noqa: E402
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def parse_args(argv=None):

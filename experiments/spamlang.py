@@ -52,7 +52,6 @@ The grid (`--study grid`, the default, whose flags define the runs) keeps the fi
 `python experiments/spamlang.py --copy_gate_init 0` still reproduces records/spamlang: 100 steps of 2 x 64 tokens
 at V = 8k..512k, D = 64, 32 held-out rows, about 20 minutes on one core; read its flaws above.
 """
-import argparse
 import concurrent.futures
 import json
 import math
@@ -64,9 +63,8 @@ from dataclasses import dataclass
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the training script lives in the repository root
-    sys.path.insert(0, ROOT)
+from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
+
 import train_gpt_cplm as tg  # noqa: E402
 
 TASKS = ("repeat", "lookup", "span")
@@ -664,11 +662,6 @@ def command_line(argv):
 GRID_DEFAULTS = dict(task="both", vocabs=",".join(map(str, DEFAULT_VOCABS)), dims=str(MODEL["model_dim"]),
                      modes="vanilla,cplm", steps=100, batch=2, seq_len=64, eval_seqs=32, eval_every=0,
                      min_exposures=0, plateau_min_steps=0, momentum_warmup_frac=0.2, copy_gate_init=None, **OPTIM)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _int_list(p, flag, text):
