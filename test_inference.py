@@ -321,8 +321,10 @@ def test_needle_haystack_places_the_needle_and_scores_exact_numbers():
     import random
     seen = set()
     for depth, where in [(0.0, "start"), (1.0, "end"), (0.5, "middle")]:
-        ids, number = needle.haystack(sentences, codec, BYTES_BOS, 300, depth, random.Random(depth))
+        ids, number, needle_at = needle.haystack(sentences, codec, BYTES_BOS, 300, depth, random.Random(depth))
         seen.add(number)
+        stated = codec.encode(needle.NEEDLE.format(number))
+        assert ids[needle_at:needle_at + len(stated)] == stated
         text = codec.decode(ids)
         assert len(ids) <= 300 and ids[0] == BYTES_BOS and ids.count(BYTES_BOS) == 1 and len(number) == 7
         assert text.count(f"The magic number is {number}.") == 1 and text.endswith(needle.CUE)
@@ -356,7 +358,7 @@ def test_needle_cli_writes_table_json_and_heat_map(checkpoints, tmp_path, monkey
     model, a, step = tg.load_model(str(path), max_seq_len=256)
     codec = _load("codec").byte_codec()
     for answer, expect in [(lambda ids: ids[-50:], 1.0), (lambda ids: list(b" 1234567"), 0.0)]:
-        def fake_generate(model, ids, n, temperature, window_blocks, answer=answer):
+        def fake_generate(model, ids, n, temperature, window_blocks, cache=None, answer=answer):
             text = codec.decode(ids)
             number = text[text.index("magic number is ") + 16:][:7]
             return list(f" {number}".encode()) if expect else answer(ids)
@@ -366,6 +368,41 @@ def test_needle_cli_writes_table_json_and_heat_map(checkpoints, tmp_path, monkey
     r = run_script("needle", path, "--contexts", "12x", capsys=capsys)
     assert r.returncode == 2
     assert_one_line(r.stderr, "--contexts")
+
+
+def test_needle_of_a_cplm_adds_the_cp_head_at_the_answer(checkpoints, tmp_path, capsys):
+    path, _ = checkpoints[1]
+    r = run_script("needle", path, "--contexts", "128", "--trials", 1, "--out", tmp_path, "--name", "c", capsys=capsys)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "c.md").read_text()
+    assert "| context | lambda | needle share | lambda x needle share |" in md
+    results = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert all(0 <= r["lam"] <= 1 and 0 <= r["needle_share"] <= 1 for r in results)
+
+
+def test_needle_probe_reads_the_gate_and_the_pointer_as_the_dense_reference_does():
+    """lambda and the pointer's share on chosen positions at the prompt's last position, read from generate's
+    caches (a prompt longer than the window), against the dense mixture on the whole prompt."""
+    needle = _load("needle")
+    model = tiny_model(1)
+    ids = [BOS] + np.random.default_rng(1).integers(0, 40, 300).tolist()
+    cache = tg.InferenceCache(model, 1)
+    with needle.AnswerProbe(model) as probe:
+        tg.generate(model, ids, 3, temperature=0.0, window_blocks=1, cache=cache)
+    positions = [5, 17, 200]
+    got = probe.read(cache, len(ids), positions)
+    with torch.no_grad():
+        h, _ = model.hidden_states(torch.tensor([ids]), torch.tensor(1, dtype=torch.int32))
+        logits = model.lm_logits(h)[0, -1].float()
+        logits[model.config.copy_id] += model.copy_logit_bias
+        c = logits.softmax(-1)[model.config.copy_id]
+        q, k, sink_key = model.cp_head(h)
+        q = q[0, -1]
+        alpha = (torch.cat([k[0] @ q, (sink_key @ q)[None]]) * q.numel() ** -0.5).softmax(-1)
+    s = alpha[-1]
+    assert got["lam"] == pytest.approx(float(c * (1 - s)), rel=1e-4)
+    assert got["needle_share"] == pytest.approx(float(alpha[positions].sum() / (1 - s)), rel=1e-4)
+    assert 0 < got["lam"] < 1 and 0 < got["needle_share"] < 1
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ Attention uses the window the checkpoint was trained with at its step (--attenti
 (exact-match accuracy per context and depth), the raw trials as JSON and, when matplotlib is installed, a
 heat map PNG into --out. Exit codes: 0 done, 1 unreadable checkpoint, tokenizer or data, 2 bad command line.
 """
+import contextlib
 import json
 import os
 import random
@@ -31,6 +32,7 @@ import textwrap
 import time
 
 import numpy as np
+import torch
 
 from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
 from codec import CodecError, codec_for
@@ -103,13 +105,45 @@ def haystack(sentences, codec, bos_id, context, depth, rng):
     total = sum(map(len, filler))
     lengths = np.cumsum([0] + [len(s) for s in filler])
     at = int(np.abs(lengths - depth * total).argmin())  # needle after `at` filler sentences
-    ids = [bos_id] + [t for s in filler[:at] for t in s] + needle + [t for s in filler[at:] for t in s] + cue
-    return ids, number
+    before = [bos_id] + [t for s in filler[:at] for t in s]
+    ids = before + needle + [t for s in filler[at:] for t in s] + cue
+    return ids, number, len(before)
 
 
 def first_number(text):
     match = re.match(r"\s*(\d+)", text)
     return match.group(1) if match else None
+
+
+class AnswerProbe:
+    """What the CP head does at the answer (the prompt's last position, where generate asks its first query):
+    the copy path's opening lambda = c (1 - s), and the share of the pointer (alpha without the sink) on the
+    needle's digit tokens. Reads the query from a hook on the CP head's W_Q and the keys from generate's cache."""
+
+    def __init__(self, model):
+        self.model, self.h, self.q = model, None, None
+
+    def __enter__(self):
+        def first_query(module, args, out):
+            if self.q is None:
+                self.h, self.q = args[0].float(), out.float()
+        self.handle = self.model.cp_head.w_q.register_forward_hook(first_query)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+    @torch.no_grad()
+    def read(self, cache, prompt_len, needle_positions):
+        """The prompt is one document from its BOS at 0, so its CP keys are cache.cp_keys[:, :prompt_len]."""
+        m, copy_id = self.model, self.model.config.copy_id
+        logits = m.lm_logits(self.h).float()[0, -1]
+        logits[copy_id] += m.copy_logit_bias.float()
+        c = logits.softmax(-1)[copy_id]
+        q, keys = self.q[0, -1], cache.cp_keys[0, :prompt_len].float()
+        alpha = (torch.cat([keys @ q, (m.cp_head.sink_key.float() @ q)[None]]) * q.numel() ** -0.5).softmax(-1)
+        s = alpha[-1]
+        return dict(lam=float(c * (1 - s)), needle_share=float(alpha[needle_positions].sum() / (1 - s)))
 
 
 def run(model, codec, a, step, contexts, trials, seed, attention, val_files, log=print):
@@ -124,11 +158,18 @@ def run(model, codec, a, step, contexts, trials, seed, attention, val_files, log
             depth = d / (NUM_DEPTHS - 1)
             for trial in range(trials):
                 rng = random.Random(f"{seed}-{context}-{d}-{trial}")
-                ids, number = haystack(sentences, codec, a.bos_id, context, depth, rng)
-                new = tg.generate(model, ids, len(codec.encode(" " + number)) + 1, temperature=0.0, window_blocks=window)
+                ids, number, needle_at = haystack(sentences, codec, a.bos_id, context, depth, rng)
+                cache = tg.InferenceCache(model, window)
+                with AnswerProbe(model) if model.cp_head is not None else contextlib.nullcontext() as probe:
+                    new = tg.generate(model, ids, len(codec.encode(" " + number)) + 1, temperature=0.0,
+                                      window_blocks=window, cache=cache)
                 answer = codec.decode(new)
                 results.append(dict(context=context, depth=round(depth, 4), trial=trial, tokens=len(ids), number=number,
                                     answer=answer, correct=first_number(answer) == number))
+                if probe is not None:
+                    needle = codec.encode(NEEDLE.format(number))
+                    digits = [needle_at + j for j, t in enumerate(needle) if any(ch.isdigit() for ch in codec.piece(t))]
+                    results[-1].update(probe.read(cache, len(ids), digits))
         acc = np.mean([r["correct"] for r in results if r["context"] == context])
         log(f"context {context}: accuracy {100 * acc:.1f}% ({time.perf_counter() - t0:.0f}s)")
     return results
@@ -141,6 +182,15 @@ def table(results, contexts, title):
     for c in contexts:
         cells = [np.mean([r["correct"] for r in results if r["context"] == c and r["depth"] == d]) for d in depths]
         lines.append(f"| {c:,} | " + " | ".join(f"{100 * x:.0f}" for x in cells) + f" | {100 * np.mean(cells):.1f} |")
+    if results and "lam" in results[0]:  # CPLM: the CP head at the answer, over every trial of a context
+        lines += ["", "The CP head at the answer (the prompt's last position; means over the trials): lambda = c (1 - s), "
+                  "how open the copy path is; needle share = the pointer's weight (sink excluded) on the needle's "
+                  "digit tokens, and lambda x needle share, the probability mass the copy path puts there.", "",
+                  "| context | lambda | needle share | lambda x needle share |", "|---:|---:|---:|---:|"]
+        for c in contexts:
+            rs = [r for r in results if r["context"] == c]
+            lines.append(f"| {c:,} | {np.mean([r['lam'] for r in rs]):.3f} | {np.mean([r['needle_share'] for r in rs]):.3f} "
+                         f"| {np.mean([r['lam'] * r['needle_share'] for r in rs]):.3f} |")
     return "\n".join(lines) + "\n"
 
 
