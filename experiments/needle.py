@@ -91,7 +91,7 @@ def filler_sentences(val_files, codec, bos_id, tokens_wanted):
 
 
 def haystack(sentences, codec, bos_id, context, depth, rng):
-    """(ids, number): one document of at most `context` tokens: BOS, filler from a random sentence on
+    """(ids, number, index of the needle's first token): one document of at most `context` tokens: BOS, filler from a random sentence on
     (wrapping around) with the needle after the filler sentence nearest depth x the filler, then the cue."""
     number = str(rng.randrange(1_000_000, 10_000_000))
     needle, cue = codec.encode(NEEDLE.format(number)), codec.encode(CUE)
@@ -136,6 +136,8 @@ class AnswerProbe:
     @torch.no_grad()
     def read(self, cache, prompt_len, needle_positions):
         """The prompt is one document from its BOS at 0, so its CP keys are cache.cp_keys[:, :prompt_len]."""
+        if cache.doc_start != 0:
+            raise RuntimeError("the prompt's document is gone from the cache (a generated BOS): nothing to read")
         m, copy_id = self.model, self.model.config.copy_id
         logits = m.lm_logits(self.h).float()[0, -1]
         logits[copy_id] += m.copy_logit_bias.float()
