@@ -488,6 +488,17 @@ def previous_token_scores(pattern, period):
     return pattern[..., i, i - 1].mean(-1)
 
 
+def run_hooked(model, input_ids, window, handles):
+    """The backbone's forward pass (no gradients) with the hooks `handles` in place; they are removed after it,
+    whatever happens."""
+    try:
+        with torch.no_grad():
+            model.hidden_states(input_ids, window)
+    finally:
+        for hd in handles:
+            hd.remove()
+
+
 def attention_layers(model, input_ids, window=None):
     """Every attention layer's pattern, computed explicitly: {layer: dict(pattern (B, H, T, T), v (B, T, H, hd),
     w_o: c_proj's weight (D, D))} and the last block's output x_final (B, T, D) (the residual stream before
@@ -501,12 +512,7 @@ def attention_layers(model, input_ids, window=None):
             handles.append(block.attn.c_proj.register_forward_hook(  # its input: the heads' outputs, concatenated
                 lambda mod, args, out, i=i: captured.__setitem__(("y", i), args[0])))
     handles.append(model.blocks[-1].register_forward_hook(lambda mod, args, out: captured.__setitem__("final", out)))
-    try:
-        with torch.no_grad():
-            model.hidden_states(input_ids, window)
-    finally:
-        for hd in handles:
-            hd.remove()
+    run_hooked(model, input_ids, window, handles)
     layers = {}
     with torch.no_grad():
         for i, block in enumerate(model.blocks):
@@ -548,12 +554,7 @@ def direct_path_gains(model, input_ids, window=None):
                     lambda mod, args, out, i=i: torch.ones_like(out) if i == layer else torch.zeros_like(out)))
             handles.append(b.mlp.register_forward_hook(lambda mod, args, out: torch.zeros_like(out)))
         handles.append(model.blocks[-1].register_forward_hook(lambda mod, args, out: captured.__setitem__(0, out)))
-        try:
-            with torch.no_grad():
-                model.hidden_states(input_ids, window)
-        finally:
-            for hd in handles:
-                hd.remove()
+        run_hooked(model, input_ids, window, handles)
         out = captured[0].float()
         gains[layer] = float(out.mean())
         if (out - gains[layer]).abs().max() > 1e-5 * max(1.0, abs(gains[layer])):
