@@ -2243,10 +2243,10 @@ def test_spamlang_runs_in_parallel_processes_of_one_thread(tmp_path, monkeypatch
 # ---------------------------------------------------------------------------------------------------------
 # the prose race's driver and report (experiments/race.py, experiments/race_report.py)
 
-def _race_log(path, cplm, seed, losses, every=10, diags=None):
+def _race_log(path, cplm, seed, losses, every=10, diags=None, **hparams):
     """A minimal training log: hyperparameters, val lines at steps 0, every, 2 every, ..., diagnostics, final."""
     total = every * (len(losses) - 1)
-    lines = ["hyperparameters: " + json.dumps({"cplm": cplm, "seed": seed, "run_id": path.stem})]
+    lines = ["hyperparameters: " + json.dumps({"cplm": cplm, "seed": seed, "run_id": path.stem, **hparams})]
     for i, loss in enumerate(losses):
         lines.append(f"step:{i * every}/{total} val_loss:{loss:.4f} train_time:{i * 1000}ms step_avg:1.00ms")
     lines.append(f"step:{total}/{total} " + " ".join(f"{k}:{v}" for k, v in (diags or {}).items()))
@@ -2287,6 +2287,44 @@ def test_race_report_gaps_targets_and_the_gate_cost(tmp_path):
         race_report.main([str(tmp_path), "--pair", "nonsense"])
     assert e.value.code == 2
     assert race_report.main([str(tmp_path), "--pair", "row=v:missing"]) == 1
+
+
+def test_race_report_bits_per_byte_from_the_val_shards_tokenizer(tmp_path):
+    race_report = _load_experiment("race_report")
+    # byte-level shards (257 ids, BOS 256): a target is one byte, BOS none
+    text = "h\u00e9llo w\u00f6rld\n".encode("utf-8")  # 14 bytes
+    (tmp_path / "b").mkdir()
+    write_shard(tmp_path / "b" / "x_val_000000.bin", [256, *text, 256, *text], vocab=257)
+    assert race_report.token_byte_lengths(str(tmp_path / "b"), 257).tolist() == [1] * 256 + [0]
+    log = {"hyperparameters": {"val_files": str(tmp_path / "b" / "x_val_*.bin"), "val_tokens": 16}}
+    assert race_report.bytes_per_token(log) == 15 / 16  # targets: 14 bytes, BOS, 1 byte
+    # a byte-level BPE: each character of a vocabulary entry is one byte (GPT-2's map: 0xC3 0xA9 -> "\u00c3\u00a9",
+    # a space -> "\u0120"), special tokens none
+    (tmp_path / "t").mkdir()
+    vocab = {"h": 0, "\u00c3\u00a9": 1, "llo": 2, "\u0120w": 3, "<|bos|>": 4}
+    (tmp_path / "t" / "tokenizer.json").write_text(json.dumps({
+        "pre_tokenizer": {"type": "ByteLevel"}, "model": {"type": "BPE", "vocab": vocab, "merges": []},
+        "added_tokens": [{"id": 4, "content": "<|bos|>", "special": True}]}))
+    write_shard(tmp_path / "t" / "y_val_000000.bin", [4, 0, 1, 2, 3, 4, 0, 1, 2], vocab=5)
+    assert race_report.token_byte_lengths(str(tmp_path / "t"), 5).tolist() == [1, 2, 3, 2, 0]
+    val = str(tmp_path / "t" / "y_val_*.bin")
+    for seed in (0, 1):  # targets [0, 1, 2, 3, 4, 0, 1, 2]: 1 + 2 + 3 + 2 + 0 + 1 + 2 + 3 = 14 bytes in 8 tokens
+        _race_log(tmp_path / f"v_s{seed}.txt", 0, seed, [5.0, 4.0 + seed], val_files=val, val_tokens=8)
+        _race_log(tmp_path / f"c_s{seed}.txt", 1, seed, [5.0, 3.0 + seed], val_files=val, val_tokens=8)
+    out = tmp_path / "table.md"
+    assert race_report.main([str(tmp_path), "--pair", "V = 5 (V/D = 1)=v:c", "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    bpb = lambda nats: nats * 8 / (math.log(2) * 14)  # noqa: E731
+    row = next(line for line in lines if line.startswith("| final val loss, bits per byte |"))
+    assert f"| {bpb(4.5):.3f} +- {bpb(0.7071):.3f} | {bpb(3.5):.3f} +- {bpb(0.7071):.3f} | {bpb(1):.3f} +- 0.000 |" in row
+    row = next(line for line in lines if line.startswith("| V = 5 (V/D = 1) |"))  # the overview, "=" in the name
+    assert f"| 1.75 | 4.500 +- 0.707 / 3.500 +- 0.707 | 1.000 +- 0.000 |" in row
+    assert f"| {bpb(1):.3f} +- 0.000 | {100 / 4.5:.1f}% |" in row
+    # without val shards (or an unknown tokenizer) the rows leave bits per byte out
+    os.remove(tmp_path / "t" / "tokenizer.json")
+    race_report._BYTES_PER_TOKEN.clear()
+    assert race_report.main([str(tmp_path), "--pair", "row=v:c", "--out", str(out)]) == 0
+    assert "bits per byte |" not in out.read_text().split("### row")[1]
 
 
 def test_prose_race_picks_each_modes_best_scale_and_runs_the_headline_first(tmp_path, monkeypatch):

@@ -14,20 +14,31 @@ A group is every log LOG_DIR/<prefix>_s<seed>.txt. For each pair (a row) it repo
   the first crossing of each seed's curve (mean +- std), both interpolated linearly between evaluations; the
   ratio is CPLM's over vanilla's (< 1: CPLM gets there sooner);
 - at the last evaluation: the NLL on copyable targets (the target occurs earlier in its document) and on
-  the others, for both modes, and CPLM's mean gate lambda (share of probability on the copy path).
+  the others, for both modes, and CPLM's mean gate lambda (share of probability on the copy path);
+- the final val loss in bits per UTF-8 byte of the scored text, where the log's val shards can be read and
+  their tokenizer says how many bytes each id stands for: a `tokenizer.json` (byte-level BPE) beside the
+  shards, or the byte-level encoding (257 ids, 256 = BOS). Rows of different tokenizers score different
+  units (a token of a 2k vocabulary is fewer bytes than one of a 32k vocabulary); bits per byte do not.
+  A summary table of every row comes first.
 `--sweep` prints the final val loss of every learning-rate scale of each mode (seed 0), the basis of the
 choice of each mode's best scale.
 """
 import glob
+import json
 import math
 import os
 import re
 import sys
 
+import numpy as np
+
 from cli import ROOT, OneLineParser  # experiments/cli.py
 
 sys.path.insert(0, os.path.join(ROOT, "records"))
 import compare  # noqa: E402  (records/compare.py: log parsing and the t distribution)
+import train_gpt_cplm as tg  # noqa: E402  (the shard reader)
+
+BYTE_LEVEL_VOCAB = 257  # data/tokenize_corpus.py --encoding bytes, data/prose_corpus.py 257: ids 0-255 are bytes
 
 
 def load_group(log_dir, prefix):
@@ -61,6 +72,58 @@ def mean_curve(logs):
         raise compare.LogError("the runs of a group were evaluated at different steps")
     return {"val": [dict(step=s, time_ms=0, loss=sum(log["val"][i]["loss"] for log in runs) / len(runs))
                     for i, s in enumerate(steps)]}
+
+
+def token_byte_lengths(shard_dir, vocab_size):
+    """UTF-8 bytes each id stands for (special tokens: 0), or None if the tokenizer is unknown. A byte-level
+    BPE's vocabulary entries spell bytes one character each (GPT-2's byte-to-unicode map), so an entry's
+    length is its byte count."""
+    path = os.path.join(shard_dir, "tokenizer.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        if (spec.get("pre_tokenizer") or {}).get("type") != "ByteLevel" or spec["model"]["type"] != "BPE":
+            return None
+        lengths = np.zeros(vocab_size, dtype=np.int64)
+        for piece, i in spec["model"]["vocab"].items():
+            lengths[i] = len(piece)
+        for added in spec.get("added_tokens", []):
+            lengths[added["id"]] = 0 if added.get("special") else len(added["content"].encode("utf-8"))
+        return lengths
+    if vocab_size == BYTE_LEVEL_VOCAB:
+        return np.array([1] * 256 + [0], dtype=np.int64)
+    return None
+
+
+_BYTES_PER_TOKEN = {}
+
+
+def bytes_per_token(log):
+    """Mean UTF-8 bytes per scored val target of a run (its first val_tokens + 1 val tokens, less the first,
+    as `evaluate` scores them), or None where its shards or tokenizer cannot be read."""
+    h = log.get("hyperparameters") or {}
+    if "val_files" not in h or "val_tokens" not in h:
+        return None
+    pattern = h["val_files"] if os.path.isabs(h["val_files"]) else os.path.join(ROOT, h["val_files"])
+    key = (pattern, h["val_tokens"])
+    if key not in _BYTES_PER_TOKEN:
+        try:
+            vocab_size = tg.header_vocab_size([pattern])
+            lengths = token_byte_lengths(os.path.dirname(pattern), vocab_size) if vocab_size else None
+            if lengths is None:
+                _BYTES_PER_TOKEN[key] = None
+            else:
+                targets = tg.load_val_tokens(pattern, h["val_tokens"], vocab_size)[1:].numpy()
+                _BYTES_PER_TOKEN[key] = float(lengths[targets].sum()) / len(targets)
+        except (tg.DataError, OSError, ValueError, KeyError):
+            _BYTES_PER_TOKEN[key] = None
+    return _BYTES_PER_TOKEN[key]
+
+
+def final_bpb(log):
+    """The final val loss in bits per byte: nats per target / (ln 2 x bytes per target)."""
+    b = bytes_per_token(log)
+    return None if not b else log["val"][-1]["loss"] / (math.log(2) * b)
 
 
 def steps_to(log, target):
@@ -126,7 +189,13 @@ def row_report(name, vanilla, cplm, fractions):
         m, sd, p = gap_test(vanilla, cplm, lambda log: loss_at(log, step))
         lines.append(f"| val loss at step {step} | {pm(*mean_of(vanilla, lambda log: loss_at(log, step)))} | "
                      f"{pm(*mean_of(cplm, lambda log: loss_at(log, step)))} | {pm(m, sd)} | {p_str(p)} |")
+    if all(final_bpb(log) is not None for log in [*vanilla.values(), *cplm.values()]):
+        m, sd, p = gap_test(vanilla, cplm, final_bpb)
+        lines.append(f"| final val loss, bits per byte | {pm(*mean_of(vanilla, final_bpb))} | "
+                     f"{pm(*mean_of(cplm, final_bpb))} | {pm(m, sd)} | {p_str(p)} |")
     for key, label in (("nll_copyable", "final NLL, copyable targets"), ("nll_other", "final NLL, other targets")):
+        if any(last_diag(log, key) is None for log in [*vanilla.values(), *cplm.values()]):
+            continue  # a log without the copy diagnostics
         m, sd, p = gap_test(vanilla, cplm, lambda log: last_diag(log, key))
         lines.append(f"| {label} | {pm(*mean_of(vanilla, lambda log: last_diag(log, key)))} | "
                      f"{pm(*mean_of(cplm, lambda log: last_diag(log, key)))} | {pm(m, sd)} | {p_str(p)} |")
@@ -162,6 +231,27 @@ def row_report(name, vanilla, cplm, fractions):
     return lines
 
 
+def overview(rows):
+    """One line per row: final val loss in nats per token and in bits per byte, the gap and its share of
+    vanilla's loss (paired over seeds as in the row's own table)."""
+    final = lambda log: log["val"][-1]["loss"]  # noqa: E731
+    lines = ["| row | seeds | bytes / token | final loss, vanilla / CPLM (nats per token) | gap | p (gap > 0) | "
+             "bits per byte, vanilla / CPLM | gap (bits per byte) | gap / vanilla |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, vanilla, cplm in rows:
+        m, sd, p = gap_test(vanilla, cplm, final)
+        seeds = sorted(set(vanilla) | set(cplm))
+        cells = [name, ",".join(map(str, seeds)), "-",
+                 f"{pm(*mean_of(vanilla, final))} / {pm(*mean_of(cplm, final))}", pm(m, sd), p_str(p), "-", "-", "-"]
+        if all(final_bpb(log) is not None for log in [*vanilla.values(), *cplm.values()]):
+            bm, bsd, _ = gap_test(vanilla, cplm, final_bpb)
+            per_token = compare.mean_std([bytes_per_token(log) for log in [*vanilla.values(), *cplm.values()]])[0]
+            v_bpb = mean_of(vanilla, final_bpb)
+            cells[2], cells[6:] = f"{per_token:.2f}", [f"{pm(*v_bpb)} / {pm(*mean_of(cplm, final_bpb))}", pm(bm, bsd),
+                                                       f"{100 * bm / v_bpb[0]:.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def sweep_report(log_dir, prefixes):
     lines = ["| run | final val loss (seed 0) |", "|---|---|"]
     for prefix in prefixes:
@@ -191,11 +281,12 @@ def main(argv=None):
         p.error(f"--fractions must lie in (0, 1] (got {args.fractions})")
     if not args.pair and not args.sweep:
         p.error("give --pair or --sweep")
-    lines = []
+    lines, rows = [], []
     if args.sweep:
         lines += sweep_report(args.log_dir, args.sweep.split(",")) + [""]
     for spec in args.pair:
-        m = re.fullmatch(r"([^=]+)=([^:]+):(.+)", spec)
+        # the row's name may hold "=" ("V = 2048 (V/D = 16)"): the prefixes come after its last one
+        m = re.fullmatch(r"(.+)=([^=:]+):([^=:]+)", spec)
         if not m:
             p.error(f"--pair must look like ROW=VANILLA_PREFIX:CPLM_PREFIX (got {spec!r})")
         name, v_prefix, c_prefix = m.groups()
@@ -209,6 +300,9 @@ def main(argv=None):
             print(f"race_report.py: error: no finished runs {args.log_dir}/{missing}_s*.txt", file=sys.stderr)
             return 1
         lines += row_report(name, vanilla, cplm, fractions) + [""]
+        rows.append((name, vanilla, cplm))
+    if rows:
+        lines = overview(rows) + [""] + lines
     text = "\n".join(lines)
     print(text)
     if args.out:
