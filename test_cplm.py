@@ -2318,7 +2318,7 @@ def test_race_report_bits_per_byte_from_the_val_shards_tokenizer(tmp_path):
     row = next(line for line in lines if line.startswith("| final val loss, bits per byte |"))
     assert f"| {bpb(4.5):.3f} +- {bpb(0.7071):.3f} | {bpb(3.5):.3f} +- {bpb(0.7071):.3f} | {bpb(1):.3f} +- 0.000 |" in row
     row = next(line for line in lines if line.startswith("| V = 5 (V/D = 1) |"))  # the overview, "=" in the name
-    assert f"| 1.75 | 4.500 +- 0.707 / 3.500 +- 0.707 | 1.000 +- 0.000 |" in row
+    assert "| 1.75 | 4.500 +- 0.707 / 3.500 +- 0.707 | 1.000 +- 0.000 |" in row
     assert f"| {bpb(1):.3f} +- 0.000 | {100 / 4.5:.1f}% |" in row
     # without val shards (or an unknown tokenizer) the rows leave bits per byte out
     os.remove(tmp_path / "t" / "tokenizer.json")
