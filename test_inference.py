@@ -253,11 +253,19 @@ def test_load_model_gives_back_the_saved_model_and_refuses_bad_files(checkpoints
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(tg.DataError, match="not a readable checkpoint"):
         tg.load_model(str(tmp_path / "garbage.pt"))
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=True)  # what save_checkpoint writes loads without running any code
+    # a file that would run code when unpickled (any object but tensors and plain containers) is refused
+    torch.save({**state, "extra": PickledObject()}, tmp_path / "code.pt")
+    with pytest.raises(tg.DataError, match="not a readable checkpoint.*Unpickl"):
+        tg.load_model(str(tmp_path / "code.pt"))
     state["hyperparameters"]["model_dim"] = 64
     torch.save(state, tmp_path / "other_shape.pt")
     with pytest.raises(tg.DataError, match="do not fit"):
         tg.load_model(str(tmp_path / "other_shape.pt"))
+
+
+class PickledObject:
+    """Stands for an arbitrary pickled object: torch.load(weights_only=False) would import and build it."""
 
 
 # ----------------------------------------------------------------------------------------------------

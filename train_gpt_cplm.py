@@ -1353,7 +1353,7 @@ def read_checkpoint(a: Hyperparameters, device):
     """The checkpoint to resume from, refused in one line when it is unreadable or made by a run of another
     shape or mode."""
     try:
-        state = torch.load(a.resume, map_location=device, weights_only=False)
+        state = torch.load(a.resume, map_location=device, weights_only=True)
         saved = state["hyperparameters"]
         assert isinstance(saved, dict) and isinstance(state["step"], int) and isinstance(state["model"], dict)
         assert len(state["optimizers"]) == 2 and isinstance(state["loader"]["position"], int)
@@ -1374,7 +1374,7 @@ def read_model_checkpoint(path, device="cpu", mmap=False):
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such checkpoint file")
     try:
-        state = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
+        state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
         saved, step, weights = state["hyperparameters"], state["step"], state["model"]
         assert isinstance(saved, dict) and isinstance(step, int) and isinstance(weights, dict)
     except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
