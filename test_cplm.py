@@ -2320,11 +2320,22 @@ def test_race_report_bits_per_byte_from_the_val_shards_tokenizer(tmp_path):
     row = next(line for line in lines if line.startswith("| V = 5 (V/D = 1) |"))  # the overview, "=" in the name
     assert "| 1.75 | 4.500 +- 0.707 / 3.500 +- 0.707 | 1.000 +- 0.000 |" in row
     assert f"| {bpb(1):.3f} +- 0.000 | {100 / 4.5:.1f}% |" in row
-    # without val shards (or an unknown tokenizer) the rows leave bits per byte out
-    os.remove(tmp_path / "t" / "tokenizer.json")
-    race_report._BYTES_PER_TOKEN.clear()
+    # modes that ran different seeds: the overview says so
+    os.remove(tmp_path / "c_s1.txt")
     assert race_report.main([str(tmp_path), "--pair", "row=v:c", "--out", str(out)]) == 0
-    assert "bits per byte |" not in out.read_text().split("### row")[1]
+    assert "| row | vanilla 0,1, CPLM 0 (unpaired) | 1.75 |" in out.read_text()
+    # a tokenizer that rewrites text, an id the tokenizer lacks, or no tokenizer: no bits per byte anywhere
+    spec = json.loads((tmp_path / "t" / "tokenizer.json").read_text())
+    for broken in ({**spec, "normalizer": {"type": "NFC"}}, {**spec, "model": {**spec["model"], "vocab": {"h": 0}}},
+                   [spec], None):
+        race_report._BYTES_PER_TOKEN.clear()
+        if broken is None:
+            os.remove(tmp_path / "t" / "tokenizer.json")
+        else:
+            (tmp_path / "t" / "tokenizer.json").write_text(json.dumps(broken))
+        assert race_report.main([str(tmp_path), "--pair", "row=v:c", "--out", str(out)]) == 0
+        text = out.read_text()
+        assert "bits per byte |" not in text.split("### row")[1] and "| row | vanilla 0,1, CPLM 0 (unpaired) | - |" in text
 
 
 def test_prose_race_picks_each_modes_best_scale_and_runs_the_headline_first(tmp_path, monkeypatch):

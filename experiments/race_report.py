@@ -19,7 +19,9 @@ A group is every log LOG_DIR/<prefix>_s<seed>.txt. For each pair (a row) it repo
   their tokenizer says how many bytes each id stands for: a `tokenizer.json` (byte-level BPE) beside the
   shards, or the byte-level encoding (257 ids, 256 = BOS). Rows of different tokenizers score different
   units (a token of a 2k vocabulary is fewer bytes than one of a 32k vocabulary); bits per byte do not.
-  A summary table of every row comes first.
+  They still score different lengths of text: the first val_tokens tokens of the same val documents.
+  A summary table of every row comes first; a row whose modes ran different seeds is marked unpaired (its
+  gap is the difference of the means, its p Welch's).
 `--sweep` prints the final val loss of every learning-rate scale of each mode (seed 0), the basis of the
 choice of each mode's best scale.
 """
@@ -75,17 +77,21 @@ def mean_curve(logs):
 
 
 def token_byte_lengths(shard_dir, vocab_size):
-    """UTF-8 bytes each id stands for (special tokens: 0), or None if the tokenizer is unknown. A byte-level
-    BPE's vocabulary entries spell bytes one character each (GPT-2's byte-to-unicode map), so an entry's
-    length is its byte count."""
+    """UTF-8 bytes each id stands for (special tokens: 0; -1: an id the tokenizer lacks), or None if the
+    tokenizer is not one this can count. A byte-level BPE's vocabulary entries spell bytes one character each
+    (GPT-2's byte-to-unicode map), so an entry's length is its byte count, as long as nothing rewrites the
+    text (a normalizer) or marks pieces (subword prefixes, suffixes, byte fallback)."""
     path = os.path.join(shard_dir, "tokenizer.json")
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             spec = json.load(f)
-        if (spec.get("pre_tokenizer") or {}).get("type") != "ByteLevel" or spec["model"]["type"] != "BPE":
+        model = spec.get("model") or {}
+        if ((spec.get("pre_tokenizer") or {}).get("type") != "ByteLevel" or model.get("type") != "BPE"
+                or spec.get("normalizer") or model.get("byte_fallback") or model.get("continuing_subword_prefix")
+                or model.get("end_of_word_suffix")):
             return None
-        lengths = np.zeros(vocab_size, dtype=np.int64)
-        for piece, i in spec["model"]["vocab"].items():
+        lengths = np.full(vocab_size, -1, dtype=np.int64)
+        for piece, i in model["vocab"].items():
             lengths[i] = len(piece)
         for added in spec.get("added_tokens", []):
             lengths[added["id"]] = 0 if added.get("special") else len(added["content"].encode("utf-8"))
@@ -113,10 +119,11 @@ def bytes_per_token(log):
             if lengths is None:
                 _BYTES_PER_TOKEN[key] = None
             else:
-                targets = tg.load_val_tokens(pattern, h["val_tokens"], vocab_size)[1:].numpy()
-                _BYTES_PER_TOKEN[key] = float(lengths[targets].sum()) / len(targets)
-        except (tg.DataError, OSError, ValueError, KeyError):
-            _BYTES_PER_TOKEN[key] = None
+                per_target = lengths[tg.load_val_tokens(pattern, h["val_tokens"], vocab_size)[1:].numpy()]
+                # a target the tokenizer does not know: its bytes are unknown, so is the whole count
+                _BYTES_PER_TOKEN[key] = None if (per_target < 0).any() else float(per_target.mean())
+        except (tg.DataError, OSError, ValueError, KeyError, IndexError, AttributeError, TypeError):
+            _BYTES_PER_TOKEN[key] = None  # unreadable shards or tokenizer: the report goes on without bits per byte
     return _BYTES_PER_TOKEN[key]
 
 
@@ -239,14 +246,15 @@ def overview(rows):
              "bits per byte, vanilla / CPLM | gap (bits per byte) | gap / vanilla |", "|---|---|---|---|---|---|---|---|---|"]
     for name, vanilla, cplm in rows:
         m, sd, p = gap_test(vanilla, cplm, final)
-        seeds = sorted(set(vanilla) | set(cplm))
-        cells = [name, ",".join(map(str, seeds)), "-",
+        seeds = (",".join(map(str, sorted(vanilla))) if sorted(vanilla) == sorted(cplm) else
+                 f"vanilla {','.join(map(str, sorted(vanilla)))}, CPLM {','.join(map(str, sorted(cplm)))} (unpaired)")
+        cells = [name, seeds, "-",
                  f"{pm(*mean_of(vanilla, final))} / {pm(*mean_of(cplm, final))}", pm(m, sd), p_str(p), "-", "-", "-"]
         if all(final_bpb(log) is not None for log in [*vanilla.values(), *cplm.values()]):
             bm, bsd, _ = gap_test(vanilla, cplm, final_bpb)
-            per_token = compare.mean_std([bytes_per_token(log) for log in [*vanilla.values(), *cplm.values()]])[0]
+            per_token = sorted({round(bytes_per_token(log), 2) for log in [*vanilla.values(), *cplm.values()]})
             v_bpb = mean_of(vanilla, final_bpb)
-            cells[2], cells[6:] = f"{per_token:.2f}", [f"{pm(*v_bpb)} / {pm(*mean_of(cplm, final_bpb))}", pm(bm, bsd),
+            cells[2], cells[6:] = " / ".join(f"{b:.2f}" for b in per_token), [f"{pm(*v_bpb)} / {pm(*mean_of(cplm, final_bpb))}", pm(bm, bsd),
                                                        f"{100 * bm / v_bpb[0]:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
