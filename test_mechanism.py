@@ -413,3 +413,28 @@ def test_zeroing_a_head_where_it_enters_c_proj_is_zeroing_its_columns_of_c_proj(
     with torch.no_grad():
         attn.c_proj.weight[:, attn.head_dim:2 * attn.head_dim] = 0
     assert abs(ablated - mech.in_context_loss(model, ids, 8)[1]) < 1e-5
+
+
+def test_mean_ablation_replaces_a_head_by_its_mean_over_the_inputs_positions():
+    model = tiny_model(1)
+    ids = mech.repeated_sequences(3, 8, VOCAB, BOS, seed=1)
+    attn, cols = model.blocks[1].attn, slice(attn_dim := model.blocks[1].attn.head_dim, 2 * attn_dim)
+    mean_ablated = mech.second_copy_loss_without(model, ids, 8, layer=1, head=1, mean=True)
+    zeroed = mech.second_copy_loss_without(model, ids, 8, layer=1, head=1)
+    assert mean_ablated != zeroed
+    # the head's mean output over the 3 x 15 positions the loss sees, recorded independently
+    seen = []
+    handle = attn.c_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0][..., cols].detach().clone()))
+    mech.in_context_loss(model, ids, 8)
+    handle.remove()
+    assert seen[0].shape[:-1] == (3, 15)
+    head_mean = seen[0].reshape(-1, attn_dim).mean(0)
+    # the same as zeroing the head's columns of c_proj and adding their image of the mean to c_proj's output
+    with torch.no_grad():
+        constant = F.linear(head_mean, attn.c_proj.weight[:, cols].float())
+        attn.c_proj.weight[:, cols] = 0
+    handle = attn.c_proj.register_forward_hook(lambda m, args, out: out + constant.to(out.dtype))
+    try:
+        assert abs(mean_ablated - mech.in_context_loss(model, ids, 8)[1]) < 1e-5
+    finally:
+        handle.remove()

@@ -617,18 +617,26 @@ def in_context_loss(model, input_ids, period, window=None):
     return float(nll[:, :period - 1].mean()), float(nll[:, period:].mean())
 
 
-def second_copy_loss_without(model, input_ids, period, layer, head, window=None):
-    """The loss on the second copy with one head's output zeroed where it enters c_proj (a causal test: a head
-    the copying relies on raises it)."""
+def second_copy_loss_without(model, input_ids, period, layer, head, window=None, mean=False):
+    """The loss on the second copy with one head's output replaced where it enters c_proj (a causal test: a head
+    the copying relies on raises it): by zero, or with mean=True by its mean over every position of the same
+    input. Mean-ablation keeps what the head adds on average and removes only what it says about each position,
+    so a rise there is not just the residual stream thrown off its usual scale."""
     attn = model.blocks[layer].attn
     cols = slice(head * attn.head_dim, (head + 1) * attn.head_dim)
+    fill = 0.0
+    if mean:
+        seen = []
+        run_hooked(model, input_ids[:, :-1], window, [attn.c_proj.register_forward_pre_hook(
+            lambda module, args: seen.append(args[0][..., cols].reshape(-1, attn.head_dim).mean(0)))])
+        fill = seen[0]
 
-    def zero_head(module, args):
+    def replace_head(module, args):
         y = args[0].clone()
-        y[..., cols] = 0
+        y[..., cols] = fill
         return (y,)
 
-    handle = attn.c_proj.register_forward_pre_hook(zero_head)
+    handle = attn.c_proj.register_forward_pre_hook(replace_head)
     try:
         return in_context_loss(model, input_ids, period, window)[1]
     finally:
@@ -650,8 +658,9 @@ def induction_command(args, entries):
         L, H = len(model.blocks), model.config.num_heads
         per_head = {key: [[float(scores[i][key][h]) if i in scores else None for h in range(H)] for i in range(L)]
                     for key in SCORES}
-        per_head["ablated"] = [[second_copy_loss_without(model, ids, args.period, i, h, window) if i in scores
-                                else None for h in range(H)] for i in range(L)]
+        for key, mean in (("ablated", False), ("mean_ablated", True)):
+            per_head[key] = [[second_copy_loss_without(model, ids, args.period, i, h, window, mean) if i in scores
+                              else None for h in range(H)] for i in range(L)]
         results.append({"run_id": e.run_id, "step": e.step, "mode": e.mode, "layers": L, "heads": H, **per_head,
                         "nll_first_copy": first, "nll_second_copy": second, "cp_prefix": cp_prefix})
         del model
@@ -662,9 +671,12 @@ def induction_counts(r, threshold):
     heads = [(p, q, c) for lp, lq, lc in zip(r["prefix"], r["previous"], r["copying"])
              for p, q, c in zip(lp, lq, lc) if p is not None]
     ablated = [a for la in r["ablated"] for a in la if a is not None]
+    # mean-ablation came later: older results files lack it
+    mean_ablated = [a for la in r.get("mean_ablated", []) for a in la if a is not None] or [float("nan")] * len(ablated)
     top = max(range(len(heads)), key=lambda j: heads[j][1], default=None)  # the strongest previous-token head
     return {"heads": len(heads), "induction": sum(p > threshold for p, _, _ in heads),
             "top_previous_ablated": ablated[top] if top is not None else float("nan"),
+            "top_previous_mean_ablated": mean_ablated[top] if top is not None else float("nan"),
             "others_ablated": max((a for j, a in enumerate(ablated) if j != top), default=float("nan")),
             "induction_copying": sum(p > threshold and c > 0 for p, _, c in heads),
             "previous_token": sum(q > threshold for _, q, _ in heads),
@@ -688,21 +700,22 @@ def induction_markdown(results, args, command):
              "CP head prefix: the same prefix-matching score for the CP head's pointer alpha (CPLM): its weight on "
              "the earlier occurrence of the next token, the position an induction head copies from. "
              "NLL: the model's next-token loss on the first copy (unpredictable) and on the second (copyable); "
-             "then on the second with the strongest previous-token head's output zeroed, and the largest it gets "
-             "with any other single head zeroed (a causal test of what the copying relies on). "
+             "then on the second with the strongest previous-token head's output zeroed, the same with it replaced "
+             "by its mean over the input's positions (mean-ablation), and the largest it gets with any other single "
+             "head zeroed (a causal test of what the copying relies on). "
              "Definitions: experiments/mechanism.py.", "",
              f"| run | step | mode | attention heads | prefix > {t} | ... and copying > 0 | max prefix | "
              f"previous > {t} | max previous | CP head prefix | NLL first copy | NLL second copy | "
-             "... that head ablated | ... another ablated (max) |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "... that head zeroed | ... mean-ablated | ... another zeroed (max) |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     groups = seed_groups(results)
     if groups:  # the seeds' mean first, then every checkpoint
         head = lines[-2:]
         lines[-2:] = ["Mean +- std over the seeds of each run (steps every seed has), then every checkpoint.", "",
                       f"| runs | seeds | step | prefix > {t} | max prefix | previous > {t} | max previous | "
-                      "CP head prefix | NLL first copy | NLL second copy | ... top previous head ablated | "
-                      "... another ablated (max) |",
-                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                      "CP head prefix | NLL first copy | NLL second copy | ... top previous head zeroed | "
+                      "... mean-ablated | ... another zeroed (max) |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for stem, by_step in groups.items():
             n = max(len(rs) for rs in by_step.values())
             for step, rs in sorted(by_step.items()):
@@ -713,14 +726,16 @@ def induction_markdown(results, args, command):
                     mean_std([c[k] for c in cs]) for k in ("induction", "max_prefix", "previous_token", "max_previous"))
                     + f" | {mean_std([r['cp_prefix'] for r in rs]) if rs[0].get('cp_prefix') is not None else '-'}"
                     + f" | {mean_std([r['nll_first_copy'] for r in rs])} | {mean_std([r['nll_second_copy'] for r in rs])}"
-                    + f" | {mean_std([c['top_previous_ablated'] for c in cs])} | {mean_std([c['others_ablated'] for c in cs])} |")
+                    + " | " + " | ".join(mean_std([c[k] for c in cs]) for k in (
+                        "top_previous_ablated", "top_previous_mean_ablated", "others_ablated")) + " |")
         lines += [""] + head
     for r in results:
         c = induction_counts(r, t)
         lines.append(f"| {r['run_id']} | {r['step']} | {r['mode']} | {c['heads']} | {c['induction']} | "
                      f"{c['induction_copying']} | {c['max_prefix']:.3f} | {c['previous_token']} | "
                      f"{c['max_previous']:.3f} | {cp_prefix_cell(r)} | {r['nll_first_copy']:.3f} | "
-                     f"{r['nll_second_copy']:.3f} | {c['top_previous_ablated']:.3f} | {c['others_ablated']:.3f} |")
+                     f"{r['nll_second_copy']:.3f} | {c['top_previous_ablated']:.3f} | "
+                     f"{c['top_previous_mean_ablated']:.3f} | {c['others_ablated']:.3f} |")
     if results:
         H = max(r["heads"] for r in results)
         lines += ["", "Per head: prefix / previous / copying; '-': a layer without attention.", "",
