@@ -671,8 +671,7 @@ def induction_counts(r, threshold):
     heads = [(p, q, c) for lp, lq, lc in zip(r["prefix"], r["previous"], r["copying"])
              for p, q, c in zip(lp, lq, lc) if p is not None]
     ablated = [a for la in r["ablated"] for a in la if a is not None]
-    # mean-ablation came later: older results files lack it
-    mean_ablated = [a for la in r.get("mean_ablated", []) for a in la if a is not None] or [float("nan")] * len(ablated)
+    mean_ablated = [a for la in r["mean_ablated"] for a in la if a is not None]
     top = max(range(len(heads)), key=lambda j: heads[j][1], default=None)  # the strongest previous-token head
     return {"heads": len(heads), "induction": sum(p > threshold for p, _, _ in heads),
             "top_previous_ablated": ablated[top] if top is not None else float("nan"),

@@ -127,6 +127,11 @@ def bytes_per_token(log):
     return _BYTES_PER_TOKEN[key]
 
 
+def bpb_known(*groups):
+    """Whether every run of the groups has a final val loss in bits per byte."""
+    return all(final_bpb(log) is not None for logs in groups for log in logs.values())
+
+
 def final_bpb(log):
     """The final val loss in bits per byte: nats per target / (ln 2 x bytes per target)."""
     b = bytes_per_token(log)
@@ -196,7 +201,7 @@ def row_report(name, vanilla, cplm, fractions):
         m, sd, p = gap_test(vanilla, cplm, lambda log: loss_at(log, step))
         lines.append(f"| val loss at step {step} | {pm(*mean_of(vanilla, lambda log: loss_at(log, step)))} | "
                      f"{pm(*mean_of(cplm, lambda log: loss_at(log, step)))} | {pm(m, sd)} | {p_str(p)} |")
-    if all(final_bpb(log) is not None for log in [*vanilla.values(), *cplm.values()]):
+    if bpb_known(vanilla, cplm):
         m, sd, p = gap_test(vanilla, cplm, final_bpb)
         lines.append(f"| final val loss, bits per byte | {pm(*mean_of(vanilla, final_bpb))} | "
                      f"{pm(*mean_of(cplm, final_bpb))} | {pm(m, sd)} | {p_str(p)} |")
@@ -250,12 +255,12 @@ def overview(rows):
                  f"vanilla {','.join(map(str, sorted(vanilla)))}, CPLM {','.join(map(str, sorted(cplm)))} (unpaired)")
         cells = [name, seeds, "-",
                  f"{pm(*mean_of(vanilla, final))} / {pm(*mean_of(cplm, final))}", pm(m, sd), p_str(p), "-", "-", "-"]
-        if all(final_bpb(log) is not None for log in [*vanilla.values(), *cplm.values()]):
+        if bpb_known(vanilla, cplm):
             bm, bsd, _ = gap_test(vanilla, cplm, final_bpb)
-            per_token = sorted({round(bytes_per_token(log), 2) for log in [*vanilla.values(), *cplm.values()]})
+            per_token = sorted({round(bytes_per_token(log), 2) for logs in (vanilla, cplm) for log in logs.values()})
             v_bpb = mean_of(vanilla, final_bpb)
-            cells[2], cells[6:] = " / ".join(f"{b:.2f}" for b in per_token), [f"{pm(*v_bpb)} / {pm(*mean_of(cplm, final_bpb))}", pm(bm, bsd),
-                                                       f"{100 * bm / v_bpb[0]:.1f}%"]
+            cells[2] = " / ".join(f"{b:.2f}" for b in per_token)
+            cells[6:] = [f"{pm(*v_bpb)} / {pm(*mean_of(cplm, final_bpb))}", pm(bm, bsd), f"{100 * bm / v_bpb[0]:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
