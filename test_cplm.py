@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -1807,6 +1808,8 @@ def test_cp_cost_bad_input_is_one_line(argv, code, words, capsys):
     (["--jobs", "0"], ["--jobs"]),
     (["--seeds", "0,one"], ["--seeds"]),
     (["--study", "nope"], ["--study"]),
+    (["--scale", "0.25"], ["--scale", "--stage rows"]),
+    (["--study", "prose", "--stage", "rows", "--scale", "3"], ["--scale", "3"]),
 ])
 def test_race_checks_its_flags_before_building_corpora(argv, words, monkeypatch, capsys):
     race = _load_experiment("race")
@@ -2354,6 +2357,9 @@ def test_prose_race_picks_each_modes_best_scale_and_runs_the_headline_first(tmp_
     assert queue == [("prose_vanilla_lr1", "0"), ("prose_vanilla_lr1", "1"), ("prose_cplm_lr0.5", "0"),
                      ("prose_cplm_lr0.5", "1"), ("prose_cplm_open_lr0.5", "0"), ("prose_v2048_vanilla_lr1", "0"),
                      ("prose_cplm_open_lr0.5", "1"), ("prose_v2048_vanilla_lr1", "1")]
+    # a row's own sweep: --scale runs it at that scale instead of its mode's best
+    assert race.prose_queue("rows", "logs", ["0"], ["bytes_vanilla", "bytes_cplm"], "0.25") == [
+        ("prose_bytes_vanilla_lr0.25", "0"), ("prose_bytes_cplm_lr0.25", "0")]
     # every configuration runs the same budget and differs from the headline's only where its row says
     base = race.PROSE_CONFIGS["prose_cplm_lr0.5"]
     # a run stopped before its end continues from its newest checkpoint, or starts again over its partial log
@@ -2370,6 +2376,27 @@ def test_prose_race_picks_each_modes_best_scale_and_runs_the_headline_first(tmp_
     assert "--num_iterations" in base and base[base.index("--num_iterations") + 1] == "1000"
     assert race.PROSE_CONFIGS["prose_bytes_cplm_lr1"][race.PROSE_CONFIGS["prose_bytes_cplm_lr1"].index(
         "--train_files") + 1] == "data/prose257/prose257_train_*.bin"
+
+
+def test_prose_summary_reports_a_rows_own_sweep_next_to_its_best_scale(tmp_path, monkeypatch):
+    race = _load_experiment("race")
+    monkeypatch.setattr(race, "ROOT", str(tmp_path))
+    logs = tmp_path / "out" / "logs"
+    logs.mkdir(parents=True)
+    for mode in ("vanilla", "cplm"):
+        for scale in race.LR_SCALES:
+            _race_log(logs / f"prose_{mode}_lr{scale}_s0.txt", int(mode == "cplm"), 0, [9.0, 4.0 + abs(float(scale) - 0.5)])
+        for scale in ("0.5", "0.25"):
+            _race_log(logs / f"prose_bytes_{mode}_lr{scale}_s0.txt", int(mode == "cplm"), 0, [6.0, 1.5])
+    _race_log(logs / "prose_bytes_vanilla_lr1_s0.txt", 0, 0, [6.0, 1.5])  # its CPLM pair did not run
+    calls = []
+    monkeypatch.setattr(race.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        types.SimpleNamespace(returncode=0, stdout="", stderr=""))
+    assert race.summarize_prose("out") == 0
+    pairs = [calls[0][i + 1] for i, x in enumerate(calls[0]) if x == "--pair"]
+    assert pairs == ["headline=prose_vanilla_lr0.5:prose_cplm_lr0.5",
+                     "bytes (V = 257, D = 256)=prose_bytes_vanilla_lr0.5:prose_bytes_cplm_lr0.5",
+                     "bytes (V = 257, D = 256), scale 0.25=prose_bytes_vanilla_lr0.25:prose_bytes_cplm_lr0.25"]
 
 
 def test_build_writes_a_byte_level_corpus_without_a_tokenizer(tmp_path):

@@ -14,8 +14,10 @@ Then writes OUT/summary.txt (records/compare.py per attention type, convergence 
 final val loss) and OUT/{full,sw,bytes}.png. Runs whose log already ends with a final line are not run
 again. `--study gate` runs GATE_CONFIGS instead (records/gate_init): the choice of optimizer and gate start.
 `--study prose` (records/prose_race) is the race on English prose at the paper's V/D, the one to read:
-    python experiments/race.py --study prose --stage sweep --seeds 0     # 3 learning-rate scales x 2 modes
+    python experiments/race.py --study prose --stage sweep --seeds 0     # 4 learning-rate scales x 2 modes
     python experiments/race.py --study prose --stage rows --seeds 0,1,2  # every row at the best scales
+    python experiments/race.py --study prose --stage rows --seeds 0 --scale 0.25 --only bytes_vanilla,bytes_cplm
+                                                                         # a row's own sweep: another scale
 and writes OUT/summary.md (experiments/race_report.py). Its rows are described at PROSE_ROWS below.
 """
 import glob
@@ -59,7 +61,8 @@ RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens
 #                  the open gate (c = 0.5 at step 0; the headline starts closed, c = 1/V), the stop-gradient
 #                  ablation, the V/D study (BPE of 2048 and 32768 at the same D: V/D = 16 and 256 next to the
 #                  headline's 64) and the byte-level control (V = 257 at D = 256: no bottleneck).
-# The other rows are not swept themselves: a skeptic may say their best scale could differ.
+# The other rows are not swept themselves: a skeptic may say their best scale could differ. `--scale S` runs
+# chosen rows at another scale (a row's own sweep); the summary reports them as extra rows.
 PROSE_BUDGET = ["--val_seq_len", "1024", "--num_iterations", "1000", "--val_loss_every", "50", "--val_tokens", "32768",
                 "--compile", "1",  # inductor on CPU: a CPLM step 1.55 -> 1.1 s (one thread), after ~1 min compiling
                 # checkpoints at 10%, 20%, ... of training for the mechanism studies (logs/<run_id>/, git-ignored
@@ -118,13 +121,14 @@ def best_scales(log_dir):
     return best
 
 
-def prose_queue(stage, log_dir, seeds, only):
-    """The (configuration, seed) pairs of a stage, in the order they should run."""
+def prose_queue(stage, log_dir, seeds, only, scale=None):
+    """The (configuration, seed) pairs of a stage, in the order they should run. `scale` runs the rows at that
+    learning-rate scale instead of their mode's best (a row's own sweep)."""
     if stage == "sweep":
         return [(name, "0") for name in PROSE_SWEEP if not only or name in only]
     best = best_scales(log_dir)
     rows = [row for row in PROSE_ROWS if not only or row in only]
-    names = {row: f"prose_{row}_lr{best[PROSE_ROWS[row][0]]}" for row in rows}
+    names = {row: f"prose_{row}_lr{scale or best[PROSE_ROWS[row][0]]}" for row in rows}
     headline = [r for r in rows if r in ("vanilla", "cplm")]
     return ([(names[r], s) for r in headline for s in seeds]
             + [(names[r], s) for s in seeds for r in rows if r not in headline])
@@ -164,6 +168,8 @@ def main(argv=None):
     p.add_argument("--study", choices=["race", "gate", "prose"], default="race")
     p.add_argument("--stage", choices=["sweep", "rows"], default="sweep",
                    help="--study prose: the learning-rate sweep, or every row at each mode's best scale")
+    p.add_argument("--scale", choices=LR_SCALES, default=None,
+                   help="--stage rows: run the rows at this learning-rate scale instead of their mode's best")
     p.add_argument("--out", default=None, help="default records/race, records/gate_init or records/prose_race")
     p.add_argument("extra", nargs="*", help="more train_gpt_cplm flags for every run, after --")
     args = p.parse_args(argv)
@@ -180,6 +186,8 @@ def main(argv=None):
     if unknown:
         p.error(f"--only: unknown name(s) {', '.join(unknown)} for --study {args.study}"
                 f"{' --stage ' + args.stage if args.study == 'prose' else ''}; choose from {', '.join(choices)}")
+    if args.scale and not (args.study == "prose" and args.stage == "rows"):
+        p.error("--scale goes with --study prose --stage rows")
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1 (got {args.jobs})")
     if not all(s.strip().isdigit() for s in args.seeds.split(",")):
@@ -197,7 +205,7 @@ def main(argv=None):
     seeds = [s.strip() for s in args.seeds.split(",")]
     if args.study == "prose":
         try:
-            pairs = prose_queue(args.stage, log_dir, seeds, args.only.split(",") if args.only else [])
+            pairs = prose_queue(args.stage, log_dir, seeds, args.only.split(",") if args.only else [], args.scale)
         except ValueError as e:
             print(f"race.py: error: {e}", file=sys.stderr)
             return 1
@@ -258,14 +266,23 @@ def summarize_prose(out):
         best = best_scales(os.path.join(out, "logs"))
     except ValueError:
         best = None
+    both_finished = lambda v, c: all(finished(os.path.join(ROOT, out, "logs", f"{x}_s0.txt")) for x in (v, c))  # noqa: E731
     plots = []
     for name, vanilla, cplm in PROSE_PAIRS if best else []:
         v, c = (f"prose_{row}_lr{best[PROSE_ROWS[row][0]]}" for row in (vanilla, cplm))
-        if finished(os.path.join(ROOT, out, "logs", v + "_s0.txt")) and finished(os.path.join(ROOT, out, "logs", c + "_s0.txt")):
+        if both_finished(v, c):
             cmd += ["--pair", f"{name}={v}:{c}"]
             # the curves, mean over seeds (compare.py groups the runs by their hyperparameters)
             plots.append([sys.executable, "records/compare.py", f"{out}/logs/{v}_s*.txt", f"{out}/logs/{c}_s*.txt",
                           "--target_from", "cplm=0", "--plot", f"{out}/{cplm}.png"])
+    # a row's own sweep (--scale): the row again at each other scale both of its modes ran (the headline's
+    # other scales are the sweep's table)
+    for name, vanilla, cplm in PROSE_PAIRS[1:] if best else []:
+        for scale in LR_SCALES:
+            v, c = (f"prose_{row}_lr{scale}" for row in (vanilla, cplm))
+            at_best = scale == best[PROSE_ROWS[vanilla][0]] and scale == best[PROSE_ROWS[cplm][0]]
+            if not at_best and both_finished(v, c):
+                cmd += ["--pair", f"{name}, scale {scale}={v}:{c}"]
     cmd += ["--out", f"{out}/summary.md"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     print(res.stdout + res.stderr)
