@@ -383,9 +383,9 @@ def test_needle_of_a_cplm_adds_the_cp_head_at_the_answer(checkpoints, tmp_path, 
     r = run_script("needle", path, "--contexts", "128", "--trials", 1, "--out", tmp_path, "--name", "c", capsys=capsys)
     assert r.returncode == 0, r.stderr
     md = (tmp_path / "c.md").read_text()
-    assert "| context | lambda | needle share | lambda x needle share |" in md
+    assert "| context | lambda | needle share | lambda x needle share | answer share | lambda x answer share |" in md
     results = json.loads((tmp_path / "c.json").read_text())["results"]
-    assert all(0 <= r["lam"] <= 1 and 0 <= r["needle_share"] <= 1 for r in results)
+    assert all(0 <= r["lam"] <= 1 and 0 <= r[share] <= 1 for r in results for share in ("needle_share", "answer_share"))
 
 
 def test_needle_probe_reads_the_gate_and_the_pointer_as_the_dense_reference_does():
@@ -397,8 +397,8 @@ def test_needle_probe_reads_the_gate_and_the_pointer_as_the_dense_reference_does
     cache = tg.InferenceCache(model, 1)
     with needle.AnswerProbe(model) as probe:
         tg.generate(model, ids, 3, temperature=0.0, window_blocks=1, cache=cache)
-    positions = [5, 17, 200]
-    got = probe.read(cache, len(ids), positions)
+    positions, answer = [5, 17, 200], [i for i, t in enumerate(ids) if t == ids[17]]
+    got = probe.read(cache, len(ids), positions, answer)
     with torch.no_grad():
         h, _ = model.hidden_states(torch.tensor([ids]), torch.tensor(1, dtype=torch.int32))
         logits = model.lm_logits(h)[0, -1].float()
@@ -410,7 +410,14 @@ def test_needle_probe_reads_the_gate_and_the_pointer_as_the_dense_reference_does
     s = alpha[-1]
     assert got["lam"] == pytest.approx(float(c * (1 - s)), rel=1e-4)
     assert got["needle_share"] == pytest.approx(float(alpha[positions].sum() / (1 - s)), rel=1e-4)
-    assert 0 < got["lam"] < 1 and 0 < got["needle_share"] < 1
+    assert got["answer_share"] == pytest.approx(float(alpha[answer].sum() / (1 - s)), rel=1e-4)
+    # the answer share is p_CP of that token: the dense reference's mixture is (1 - lam) p_LM + lam p_CP there
+    with torch.no_grad():
+        p_mix = model.next_token_log_probs(torch.tensor([ids]), 1)[0, -1].exp()
+    p_lm = logits.index_fill(0, torch.tensor([model.config.copy_id]), float("-inf")).softmax(-1)
+    v = ids[17]
+    assert float(p_mix[v]) == pytest.approx(float((1 - got["lam"]) * p_lm[v] + got["lam"] * got["answer_share"]), rel=1e-4)
+    assert len(answer) > 1 and 0 < got["lam"] < 1 and 0 < got["needle_share"] < 1
 
 
 # ----------------------------------------------------------------------------------------------------

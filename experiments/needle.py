@@ -117,8 +117,9 @@ def first_number(text):
 
 class AnswerProbe:
     """What the CP head does at the answer (the prompt's last position, where generate asks its first query):
-    the copy path's opening lambda = c (1 - s), and the share of the pointer (alpha without the sink) on the
-    needle's digit tokens. Reads the query from a hook on the CP head's W_Q and the keys from generate's cache."""
+    the copy path's opening lambda = c (1 - s), the share of the pointer (alpha without the sink) on the
+    needle's digit tokens, and its share on every position holding the answer's first token: p_CP of the
+    right next token, so lambda times it is what the copy path gives the right answer. Reads the query from a hook on the CP head's W_Q and the keys from generate's cache."""
 
     def __init__(self, model):
         self.model, self.h, self.q = model, None, None
@@ -134,8 +135,10 @@ class AnswerProbe:
         self.handle.remove()
 
     @torch.no_grad()
-    def read(self, cache, prompt_len, needle_positions):
-        """The prompt is one document from its BOS at 0, so its CP keys are cache.cp_keys[:, :prompt_len]."""
+    def read(self, cache, prompt_len, needle_positions, answer_positions):
+        """The prompt is one document from its BOS at 0, so its CP keys are cache.cp_keys[:, :prompt_len].
+        needle_positions: the needle's digit tokens; answer_positions: every position holding the answer's
+        first token."""
         if cache.doc_start != 0:
             raise RuntimeError("the prompt's document is gone from the cache (a generated BOS): nothing to read")
         m, copy_id = self.model, self.model.config.copy_id
@@ -145,7 +148,8 @@ class AnswerProbe:
         q, keys = self.q[0, -1], cache.cp_keys[0, :prompt_len].float()
         alpha = (torch.cat([keys @ q, (m.cp_head.sink_key.float() @ q)[None]]) * q.numel() ** -0.5).softmax(-1)
         s = alpha[-1]
-        return dict(lam=float(c * (1 - s)), needle_share=float(alpha[needle_positions].sum() / (1 - s)))
+        return dict(lam=float(c * (1 - s)), needle_share=float(alpha[needle_positions].sum() / (1 - s)),
+                    answer_share=float(alpha[answer_positions].sum() / (1 - s)))
 
 
 def run(model, codec, a, step, contexts, trials, seed, attention, val_files, log=print):
@@ -171,7 +175,9 @@ def run(model, codec, a, step, contexts, trials, seed, attention, val_files, log
                 if probe is not None:
                     needle = codec.encode(NEEDLE.format(number))
                     digits = [needle_at + j for j, t in enumerate(needle) if any(ch.isdigit() for ch in codec.piece(t))]
-                    results[-1].update(probe.read(cache, len(ids), digits))
+                    # the answer's first token is the needle's first digit token, wherever else it occurs
+                    answer = [j for j, t in enumerate(ids) if t == ids[digits[0]]]
+                    results[-1].update(probe.read(cache, len(ids), digits, answer))
         acc = np.mean([r["correct"] for r in results if r["context"] == context])
         log(f"context {context}: accuracy {100 * acc:.1f}% ({time.perf_counter() - t0:.0f}s)")
     return results
@@ -187,12 +193,17 @@ def table(results, contexts, title):
     if results and "lam" in results[0]:  # CPLM: the CP head at the answer, over every trial of a context
         lines += ["", "The CP head at the answer (the prompt's last position; means over the trials): lambda = c (1 - s), "
                   "how open the copy path is; needle share = the pointer's weight (sink excluded) on the needle's "
-                  "digit tokens, and lambda x needle share, the probability mass the copy path puts there.", "",
-                  "| context | lambda | needle share | lambda x needle share |", "|---:|---:|---:|---:|"]
+                  "digit tokens, and lambda x needle share, the probability mass the copy path puts there; answer share = "
+                  "the pointer's weight on every position holding the answer's first token (p_CP of the right next "
+                  "token), and lambda x answer share, the probability the copy path gives the right first token.", "",
+                  "| context | lambda | needle share | lambda x needle share | answer share | lambda x answer share |",
+                  "|---:|---:|---:|---:|---:|---:|"]
         for c in contexts:
             rs = [r for r in results if r["context"] == c]
-            lines.append(f"| {c:,} | {np.mean([r['lam'] for r in rs]):.3f} | {np.mean([r['needle_share'] for r in rs]):.3f} "
-                         f"| {np.mean([r['lam'] * r['needle_share'] for r in rs]):.3f} |")
+            mean = lambda f: np.mean([f(r) for r in rs])  # noqa: E731
+            lines.append(f"| {c:,} | {mean(lambda r: r['lam']):.3f} | {mean(lambda r: r['needle_share']):.3f} "
+                         f"| {mean(lambda r: r['lam'] * r['needle_share']):.3f} | {mean(lambda r: r['answer_share']):.3f} "
+                         f"| {mean(lambda r: r['lam'] * r['answer_share']):.3f} |")
     return "\n".join(lines) + "\n"
 
 
