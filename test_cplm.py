@@ -2385,18 +2385,23 @@ def test_prose_summary_reports_a_rows_own_sweep_next_to_its_best_scale(tmp_path,
     logs.mkdir(parents=True)
     for mode in ("vanilla", "cplm"):
         for scale in race.LR_SCALES:
-            _race_log(logs / f"prose_{mode}_lr{scale}_s0.txt", int(mode == "cplm"), 0, [9.0, 4.0 + abs(float(scale) - 0.5)])
+            best = 1.0 if mode == "vanilla" else 0.5  # the modes' best scales differ
+            _race_log(logs / f"prose_{mode}_lr{scale}_s0.txt", int(mode == "cplm"), 0, [9.0, 4.0 + abs(float(scale) - best)])
         for scale in ("0.5", "0.25"):
             _race_log(logs / f"prose_bytes_{mode}_lr{scale}_s0.txt", int(mode == "cplm"), 0, [6.0, 1.5])
     _race_log(logs / "prose_bytes_vanilla_lr1_s0.txt", 0, 0, [6.0, 1.5])  # its CPLM pair did not run
+    # the open gate at CPLM's best: no extra pair with the sweep's vanilla at that scale
+    _race_log(logs / "prose_cplm_open_lr0.5_s0.txt", 1, 0, [9.0, 3.9])
     calls = []
     monkeypatch.setattr(race.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
                         types.SimpleNamespace(returncode=0, stdout="", stderr=""))
     assert race.summarize_prose("out") == 0
     pairs = [calls[0][i + 1] for i, x in enumerate(calls[0]) if x == "--pair"]
-    assert pairs == ["headline=prose_vanilla_lr0.5:prose_cplm_lr0.5",
-                     "bytes (V = 257, D = 256)=prose_bytes_vanilla_lr0.5:prose_bytes_cplm_lr0.5",
-                     "bytes (V = 257, D = 256), scale 0.25=prose_bytes_vanilla_lr0.25:prose_bytes_cplm_lr0.25"]
+    assert pairs == ["headline=prose_vanilla_lr1:prose_cplm_lr0.5",
+                     "open gate=prose_vanilla_lr1:prose_cplm_open_lr0.5",
+                     "bytes (V = 257, D = 256)=prose_bytes_vanilla_lr1:prose_bytes_cplm_lr0.5",
+                     "bytes (V = 257, D = 256), scale 0.25=prose_bytes_vanilla_lr0.25:prose_bytes_cplm_lr0.25",
+                     "bytes (V = 257, D = 256), scale 0.5=prose_bytes_vanilla_lr0.5:prose_bytes_cplm_lr0.5"]
 
 
 def test_build_writes_a_byte_level_corpus_without_a_tokenizer(tmp_path):

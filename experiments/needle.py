@@ -176,8 +176,8 @@ def run(model, codec, a, step, contexts, trials, seed, attention, val_files, log
                     needle = codec.encode(NEEDLE.format(number))
                     digits = [needle_at + j for j, t in enumerate(needle) if any(ch.isdigit() for ch in codec.piece(t))]
                     # the answer's first token is the needle's first digit token, wherever else it occurs
-                    answer = [j for j, t in enumerate(ids) if t == ids[digits[0]]]
-                    results[-1].update(probe.read(cache, len(ids), digits, answer))
+                    answer_positions = [j for j, t in enumerate(ids) if t == ids[digits[0]]]
+                    results[-1].update(probe.read(cache, len(ids), digits, answer_positions))
         acc = np.mean([r["correct"] for r in results if r["context"] == context])
         log(f"context {context}: accuracy {100 * acc:.1f}% ({time.perf_counter() - t0:.0f}s)")
     return results

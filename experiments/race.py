@@ -275,13 +275,13 @@ def summarize_prose(out):
             # the curves, mean over seeds (compare.py groups the runs by their hyperparameters)
             plots.append([sys.executable, "records/compare.py", f"{out}/logs/{v}_s*.txt", f"{out}/logs/{c}_s*.txt",
                           "--target_from", "cplm=0", "--plot", f"{out}/{cplm}.png"])
-    # a row's own sweep (--scale): the row again at each other scale both of its modes ran (the headline's
-    # other scales are the sweep's table)
+    # a row's own sweep (--scale): the row again at each other scale where one of its own (non-headline) runs
+    # ran off its mode's best; the headline's other scales are the sweep's table
+    swept = lambda row, scale: row not in ("vanilla", "cplm") and scale != best[PROSE_ROWS[row][0]]  # noqa: E731
     for name, vanilla, cplm in PROSE_PAIRS[1:] if best else []:
         for scale in LR_SCALES:
             v, c = (f"prose_{row}_lr{scale}" for row in (vanilla, cplm))
-            at_best = scale == best[PROSE_ROWS[vanilla][0]] and scale == best[PROSE_ROWS[cplm][0]]
-            if not at_best and both_finished(v, c):
+            if (swept(vanilla, scale) or swept(cplm, scale)) and both_finished(v, c):
                 cmd += ["--pair", f"{name}, scale {scale}={v}:{c}"]
     cmd += ["--out", f"{out}/summary.md"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
