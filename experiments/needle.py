@@ -119,7 +119,8 @@ class AnswerProbe:
     """What the CP head does at the answer (the prompt's last position, where generate asks its first query):
     the copy path's opening lambda = c (1 - s), the share of the pointer (alpha without the sink) on the
     needle's digit tokens, and its share on every position holding the answer's first token: p_CP of the
-    right next token, so lambda times it is what the copy path gives the right answer. Reads the query from a hook on the CP head's W_Q and the keys from generate's cache."""
+    right next token, so lambda times it is what the copy path gives the right answer. Reads the query from a
+    hook on the CP head's W_Q and the keys from generate's cache."""
 
     def __init__(self, model):
         self.model, self.h, self.q = model, None, None

@@ -95,6 +95,7 @@ PROSE_ROWS = {
     **{f"bytes_{mode}": (mode, ["--cplm", str(int(mode == "cplm")), "--model_dim", "256", "--num_heads", "4"]
                          + prose_data(257) + PROSE_BUDGET) for mode in ("vanilla", "cplm")},
 }
+HEADLINE_ROWS = ("vanilla", "cplm")  # the rows the sweep tunes; every other row runs at their best scales
 PROSE_CONFIGS = {f"prose_{row}_lr{scale}": [*flags[:2], *scaled_lrs(scale), *flags[2:]]
                  for row, (_, flags) in PROSE_ROWS.items() for scale in LR_SCALES}
 PROSE_SWEEP = [f"prose_{mode}_lr{scale}" for scale in LR_SCALES for mode in ("vanilla", "cplm")]
@@ -129,7 +130,7 @@ def prose_queue(stage, log_dir, seeds, only, scale=None):
     best = best_scales(log_dir)
     rows = [row for row in PROSE_ROWS if not only or row in only]
     names = {row: f"prose_{row}_lr{scale or best[PROSE_ROWS[row][0]]}" for row in rows}
-    headline = [r for r in rows if r in ("vanilla", "cplm")]
+    headline = [r for r in rows if r in HEADLINE_ROWS]
     return ([(names[r], s) for r in headline for s in seeds]
             + [(names[r], s) for s in seeds for r in rows if r not in headline])
 
@@ -277,7 +278,7 @@ def summarize_prose(out):
                           "--target_from", "cplm=0", "--plot", f"{out}/{cplm}.png"])
     # a row's own sweep (--scale): the row again at each other scale where one of its own (non-headline) runs
     # ran off its mode's best; the headline's other scales are the sweep's table
-    swept = lambda row, scale: row not in ("vanilla", "cplm") and scale != best[PROSE_ROWS[row][0]]  # noqa: E731
+    swept = lambda row, scale: row not in HEADLINE_ROWS and scale != best[PROSE_ROWS[row][0]]  # noqa: E731
     for name, vanilla, cplm in PROSE_PAIRS[1:] if best else []:
         for scale in LR_SCALES:
             v, c = (f"prose_{row}_lr{scale}" for row in (vanilla, cplm))
