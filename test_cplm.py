@@ -506,6 +506,38 @@ def test_fp8_head_matches_bf16_values_and_gradients():
     torch.testing.assert_close(head(x.detach()), F.linear(x.detach(), w.detach().bfloat16()))
 
 
+def test_fp8_gradient_scale_follows_gradient_accumulation():
+    """One GPU accumulating 8 micro-steps of loss / 8 gets the 8-GPU gradient (the mean of 8 full-loss
+    gradients) only if the FP8 gradient scale is multiplied by 8: a gradient 8x smaller would lose more of
+    its tail in e5m2. With the scaling, every micro-step's FP8 gradient is bit for bit the 8-GPU one."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(256, 64, generator=g).bfloat16() for _ in range(8)]
+    w = torch.randn(512, 64, generator=g) * 0.02
+    # a mean loss over 48Ki tokens and 50304 slots has logit gradients of about 1e-10 to 1e-9: e5m2's tail
+    grad_outs = [torch.randn(256, 512, generator=g).bfloat16() * 1e-9 for _ in range(8)]
+
+    def weight_grad(scales, divide):
+        wp = w.clone().requires_grad_()
+        for x, go in zip(xs, grad_outs):
+            tg.fp8_matmul(x, wp, *scales)[0].backward(go / divide)
+        return wp.grad / (8 / divide)  # 8 GPUs: all-reduce average of the 8 per-GPU gradients
+
+    record = (2.0, 2.0 ** 9, 2.0 ** 19)
+    eight_gpus = weight_grad(record, divide=1)
+    accumulated = weight_grad((2.0, 2.0 ** 9, 2.0 ** 19 * 8), divide=8)
+    unscaled = weight_grad(record, divide=8)
+    torch.testing.assert_close(accumulated, eight_gpus, rtol=1e-6, atol=0)
+    assert (unscaled - eight_gpus).abs().max() > 1e-3 * eight_gpus.abs().max()  # what the fix prevents
+
+
+def test_fp8_grad_scale_set_from_grad_accum():
+    """train() multiplies the head's FP8 gradient scale by grad_accum (source check: the loop needs a GPU)."""
+    import inspect
+    src = inspect.getsource(tg.train)
+    assert "model.lm_head.fp8_scales = (x_scale, w_scale, grad_scale * grad_accum)" in src
+    assert src.index("grad_scale * grad_accum") < src.index("torch.compile(model")
+
+
 def test_fp8_head_compiles_with_inductor():
     """Inductor checks a custom op's real output strides against its fake ones (grad_w is a transposed
     view): the FP8 head, compiled with the default backend, gives eager's loss and gradients."""

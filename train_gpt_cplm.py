@@ -88,6 +88,7 @@ class Hyperparameters:
     run_id: str = ""  # log name; default: a fresh uuid
     log_dir: str = "logs"  # where logs and checkpoints go
     compile: int = -1  # torch.compile the model and Newton-Schulz; -1: on CUDA only
+    coordinate_descent: int = 1  # 1: inductor's coordinate-descent kernel tuning on CUDA, as the record (minutes more compile)
     warmup_steps: int = 10  # untimed steps that compile kernels; the model and optimizers are then reset
     dist_timeout_s: int = 900  # a collective that waits longer ends the job instead of hanging it
     checkpoint_every: int = 0  # > 0: save a checkpoint every this many steps
@@ -186,8 +187,9 @@ def check_args(a: Hyperparameters):
     need(0 <= a.cooldown_frac <= 1, "--cooldown_frac must lie in [0, 1]")
     need(a.logit_softcap >= 0, "--logit_softcap must be >= 0 (0: no soft-cap)")
     need(a.resume == "" or os.path.isfile(a.resume), f"--resume: no such checkpoint file: {a.resume}")
-    need(a.cp_stop_grad in (0, 1) and a.save_checkpoint in (0, 1) and a.overwrite in (0, 1) and a.compile in (-1, 0, 1),
-         "--cp_stop_grad, --save_checkpoint and --overwrite must be 0 or 1, --compile -1, 0 or 1")
+    need(all(x in (0, 1) for x in (a.cp_stop_grad, a.save_checkpoint, a.overwrite, a.coordinate_descent))
+         and a.compile in (-1, 0, 1),
+         "--cp_stop_grad, --save_checkpoint, --overwrite and --coordinate_descent must be 0 or 1, --compile -1, 0 or 1")
     lrs = {f: getattr(a, f) for f in LR_FIELDS}
     need(all(0 <= v < math.inf for v in lrs.values()), "learning rates must be finite and >= 0: " + ", ".join(
         f"--{k} {v}" for k, v in lrs.items() if not 0 <= v < math.inf))
@@ -818,9 +820,14 @@ def copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk=512
         doc_mask = flex_document_mask(doc_ids, document_blocks(doc_ids))
         match_mask = document_block_mask(document_blocks(doc_ids, all_partial=True), match_mod)
         # the value is k (unused): only the LSEs, with their gradients, enter the loss
-        _, doc_aux = flex_attention(q4, k4, k4, block_mask=doc_mask, scale=scale, return_aux=AuxRequest(lse=True))
-        _, match_aux = flex_attention(q4, k4, k4, block_mask=match_mask, scale=scale, return_aux=AuxRequest(lse=True))
-        return doc_aux.lse[:, 0], match_aux.lse[:, 0]
+        doc_out, doc_aux = flex_attention(q4, k4, k4, block_mask=doc_mask, scale=scale,
+                                          return_aux=AuxRequest(lse=True))
+        match_out, match_aux = flex_attention(q4, k4, k4, block_mask=match_mask, scale=scale,
+                                              return_aux=AuxRequest(lse=True))
+        # an exact zero from each output (finite: a mean of keys) gives flex's backward a real grad_out;
+        # left unused, grad_out is None there, which eager replaces by zeros but inductor's lowering cannot
+        doc_zero, match_zero = (0 * out[:, 0, :, 0].float() for out in (doc_out, match_out))
+        return doc_aux.lse[:, 0] + doc_zero, match_aux.lse[:, 0] + match_zero
 
     # dense: chunks of queries against the keys of their documents, each chunk recomputed in the backward
     # pass (checkpoint), so memory stays O(chunk x T) instead of O(T x T)
@@ -1504,7 +1511,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     if a.fp8_head == -1 and device.type == "cuda" and not fp8_head:
         log(f"notice: {torch.cuda.get_device_name(device)} has no FP8 matmul: the LM head runs in bf16")
     compile_model = a.compile == 1 or (a.compile == -1 and device.type == "cuda")
-    if compile_model and device.type == "cuda":
+    if compile_model and device.type == "cuda" and a.coordinate_descent:
         torch._inductor.config.coordinate_descent_tuning = True  # as the record: a longer compile, faster kernels
     torch.manual_seed(a.seed)
     model = GPT(GPTConfig.from_args(a, fp8_head=int(fp8_head))).to(device)
@@ -1512,6 +1519,10 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         for m in model.modules():
             if isinstance(m, nn.Embedding):
                 m.bfloat16()
+    if fp8_head and grad_accum > 1:  # each micro-step's loss is divided by grad_accum: its gradient is scaled
+        # back up before the e5m2 cast, so FP8 keeps the 8-GPU run's precision (exact for a power of 2)
+        x_scale, w_scale, grad_scale = model.lm_head.fp8_scales
+        model.lm_head.fp8_scales = (x_scale, w_scale, grad_scale * grad_accum)
     for p in model.parameters():  # the same initial weights on every rank
         if world_size > 1:
             dist.broadcast(p.detach(), 0)

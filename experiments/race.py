@@ -96,6 +96,17 @@ PROSE_ROWS = {
                          + prose_data(257) + PROSE_BUDGET) for mode in ("vanilla", "cplm")},
 }
 HEADLINE_ROWS = ("vanilla", "cplm")  # the rows the sweep tunes; every other row runs at their best scales
+# `--stage long`: the headline pair past the early snapshot, 9x the budget (about 18M tokens, under one epoch), at
+# the headline's rate (scale 0.5, tuned at 1000 steps; the cooldown starts at step 5400), validation every 250
+# steps and every checkpoint kept (every 500 steps: the probes and the test slice are read from them later)
+LONG_STEPS = 9000
+LONG_BUDGET = ["--val_seq_len", "1024", "--num_iterations", str(LONG_STEPS), "--val_loss_every", "250",
+               "--val_tokens", "32768", "--compile", "1", "--checkpoint_every", "500",
+               "--keep_checkpoints", str(LONG_STEPS // 500 + 1)]
+LONG_SCALE = "0.5"
+LONG_CONFIGS = {f"prose_long_{mode}_lr{LONG_SCALE}": ["--cplm", str(int(mode == "cplm")), *scaled_lrs(LONG_SCALE),
+                                                      *prose_data(8192), *LONG_BUDGET]
+                for mode in HEADLINE_ROWS}
 PROSE_CONFIGS = {f"prose_{row}_lr{scale}": [*flags[:2], *scaled_lrs(scale), *flags[2:]]
                  for row, (_, flags) in PROSE_ROWS.items() for scale in LR_SCALES}
 PROSE_SWEEP = [f"prose_{mode}_lr{scale}" for scale in LR_SCALES for mode in ("vanilla", "cplm")]
@@ -167,22 +178,25 @@ def main(argv=None):
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--only", default="", help="comma list of configuration names")
     p.add_argument("--study", choices=["race", "gate", "prose"], default="race")
-    p.add_argument("--stage", choices=["sweep", "rows"], default="sweep",
-                   help="--study prose: the learning-rate sweep, or every row at each mode's best scale")
+    p.add_argument("--stage", choices=["sweep", "rows", "long"], default="sweep",
+                   help="--study prose: the learning-rate sweep, every row at each mode's best scale, or the long "
+                        "pair (records/prose_long)")
     p.add_argument("--scale", choices=LR_SCALES, default=None,
                    help="--stage rows: run the rows at this learning-rate scale instead of their mode's best")
     p.add_argument("--out", default=None, help="default records/race, records/gate_init or records/prose_race")
     p.add_argument("extra", nargs="*", help="more train_gpt_cplm flags for every run, after --")
     args = p.parse_args(argv)
-    configs = {"race": CONFIGS, "gate": GATE_CONFIGS, "prose": PROSE_CONFIGS}[args.study]
-    args.out = args.out or {"race": "records/race", "gate": "records/gate_init", "prose": "records/prose_race"}[args.study]
+    long_pair = args.study == "prose" and args.stage == "long"
+    configs = LONG_CONFIGS if long_pair else {"race": CONFIGS, "gate": GATE_CONFIGS, "prose": PROSE_CONFIGS}[args.study]
+    args.out = args.out or ("records/prose_long" if long_pair else {
+        "race": "records/race", "gate": "records/gate_init", "prose": "records/prose_race"}[args.study])
     log_dir = os.path.join(args.out, "logs")
     names = args.only.split(",") if args.only else list(configs)
     if args.study == "gate":
         args.seeds = "0"
     # check the command line before the corpora are built (minutes) and runs started
     choices = PROSE_ROWS if args.study == "prose" and args.stage == "rows" else (
-        PROSE_SWEEP if args.study == "prose" else configs)
+        PROSE_SWEEP if args.study == "prose" and args.stage == "sweep" else configs)
     unknown = [n for n in (args.only.split(",") if args.only else []) if n not in choices]
     if unknown:
         p.error(f"--only: unknown name(s) {', '.join(unknown)} for --study {args.study}"
@@ -194,7 +208,7 @@ def main(argv=None):
     if not all(s.strip().isdigit() for s in args.seeds.split(",")):
         p.error(f"--seeds must be integers separated by commas (got {args.seeds!r})")
     if args.study == "prose":
-        for vocab in (8192, 2048, 32768, 257):
+        for vocab in (8192,) if long_pair else (8192, 2048, 32768, 257):
             if not os.path.exists(os.path.join(ROOT, f"data/prose{vocab}/prose{vocab}_val_000000.bin")):
                 print(f"race.py: error: no prose corpus of V = {vocab}: build them with "
                       "`bash data/build_prose_corpus.sh --vocab_sizes 257,2048,8192,32768`", file=sys.stderr)
@@ -204,7 +218,9 @@ def main(argv=None):
         if rc:
             return rc
     seeds = [s.strip() for s in args.seeds.split(",")]
-    if args.study == "prose":
+    if long_pair:
+        pairs = [(name, seed) for name in names for seed in seeds]
+    elif args.study == "prose":
         try:
             pairs = prose_queue(args.stage, log_dir, seeds, args.only.split(",") if args.only else [], args.scale)
         except ValueError as e:
@@ -234,7 +250,8 @@ def main(argv=None):
             running.remove(proc)
             if proc.returncode:
                 print(f"run failed ({proc.returncode}): {' '.join(proc.args)}", flush=True)
-    summarize(args.out, args.study)
+    if not long_pair:  # the long pair's read-out is experiments/long_report.py
+        summarize(args.out, args.study)
     return 0
 
 
