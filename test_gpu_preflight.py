@@ -2,6 +2,7 @@
 inductor's lowering, and must stop only where a GPU is needed (Triton, a CUDA device query), never at a
 lowering error. Tracing alone (test_cplm.py's aot_eager test) cannot see a lowering failure."""
 import os
+import re
 import sys
 
 import pytest
@@ -127,3 +128,41 @@ def test_preflight_reports_a_lowering_error():
     assert any(r.error and "make_loader" in r.error for r in results), [r.line() for r in results]
     with pytest.raises(AssertionError):
         preflight.expect_gpu_stops(results, ["forward", "backward"])
+
+
+def test_first_call_dry_run_reports_through_a_failure_and_a_hang(tmp_path):
+    """records/gpu/first_call.py on CPU at a tiny size, as the GPU machine would run it, with CPLM (flex)
+    made to fail before its warm-up (the dense CP fallback takes its place) and the reference check made to
+    take the GPU turn and hang (killed past its share): the report still comes out, whole, within the
+    deadline, and names what failed."""
+    import numpy as np
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 40_000), ("val", 4_000)):
+        tokens = rng.integers(0, 300, n)
+        tokens[::rng.integers(150, 400)] = 50256  # documents, each starting with GPT-2's end-of-text
+        tokens[0] = 50256
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = [20240520, 1, n]
+        (data / f"toy_{split}_000000.bin").write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
+    out = tmp_path / "out"
+    deadline = 150
+    t0 = __import__("time").monotonic()
+    r = __import__("subprocess").run(
+        [sys.executable, "records/gpu/first_call.py", "--dry_run", "--out", str(out), "--data", str(data),
+         "--steps", "6", "--deadline_s", str(deadline), "--inject", "cplm:fail,refcheck:hang"],
+        cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=deadline + 30)
+    elapsed = __import__("time").monotonic() - t0
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert elapsed < deadline
+    assert sorted(os.listdir(out)) == ["logs.tar.gz", "report.txt"]  # within the device tool's 8 files
+    report = (out / "report.txt").read_text()
+    assert "bf16 GEMM 512^3:" in report and "FP8 _scaled_mm smoke test: relative error" in report
+    assert "cplm: exit 7 -- injected failure before warm-up" in report
+    assert "CPLM with the dense CP sums instead" in report
+    assert "refcheck: killed (past its share of the GPU" in report
+    assert re.search(r"^vanilla: ok; compile \+ warm-up \d+s; steps 6; step time [\d.]+ ms", report, re.M), report
+    assert re.search(r"^cplm_dense: ok; .*steps 6; step time [\d.]+ ms", report, re.M), report
+    assert re.search(r"^cplm_dense/vanilla step time ratio: \d\.\d{3} \(the dense CP sums: flex failed\)$", report, re.M)
+    assert re.search(r"^timed rows: sum L\^2 / T\^2 = 0\.\d{3}", report, re.M)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------------------------------
@@ -67,6 +67,7 @@ class Hyperparameters:
     cplm: int = 0  # 0: vanilla GPT; 1: CPLM (CP head + <copy> gate + mixture loss)
     cp_dim: int = 64  # width of the CP head's queries and keys
     cp_backend: str = "auto"  # CP sums by "flex" (FlexAttention, CUDA) or "dense" (chunked); auto: flex on CUDA
+    cp_chunk: int = 0  # dense CP sums: queries per chunk (each chunk a compiled shape); 0: 4096 on CUDA, 512 on CPU
     cp_optimizer: str = "adam"  # W_Q, W_K trained by "adam" (at lr_cp) or "muon" (at lr_muon)
     lr_cp: float = 0.008  # Adam learning rate of W_Q and W_K
     copy_gate_init: float = 0.0  # the gate c at step 0 (a bias on the <copy> logit); 0: closed as in the paper
@@ -179,6 +180,7 @@ def check_args(a: Hyperparameters):
     need(a.no_attention_layer >= -1, "--no_attention_layer is a layer index, or -1 for none")
     need(a.fp8_head in (-1, 0, 1) and a.cp_backend in ("auto", "flex", "dense"),
          "--fp8_head must be -1, 0 or 1; --cp_backend auto, flex or dense")
+    need(a.cp_chunk >= 0, f"--cp_chunk must be >= 0 (0: the device's default), not {a.cp_chunk}")
     need(a.vocab_size >= 0 and (a.bos_id == -1 or 0 <= a.bos_id < (a.vocab_size or 2 ** 31)),
          "--vocab_size must be >= 0 (0: from the shards) and --bos_id a token id below it (-1: the last id)")
     need(a.cp_dim > 0 and a.cp_optimizer in ("adam", "muon"), "--cp_dim must be > 0, --cp_optimizer adam|muon")
@@ -636,6 +638,7 @@ class GPTConfig:
     cp_backend: str = "auto"
     copy_gate_init: float = 0.0
     cp_stop_grad: int = 0
+    cp_chunk: int = 0
 
     @property
     def padded_vocab(self):  # room for <copy>, rounded up to a multiple of 128 (50304 for GPT-2)
@@ -729,7 +732,7 @@ class GPT(nn.Module):
             q, k, sink_key = self.cp_head(h.detach() if self.config.cp_stop_grad else h)
             stats = cplm_target_log_prob(head_out, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
                                          self.config.copy_id, self.copy_logit_bias, cap, backend=self.cp_backend,
-                                         chunk=4096 if h.is_cuda else 512)
+                                         chunk=self.config.cp_chunk or (4096 if h.is_cuda else 512))
             stats["nll"] = -stats.pop("log_p")
         if token_stats:
             return {**stats, "copyable": copyable}
@@ -809,6 +812,8 @@ def copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk=512
     position as the only key instead of an empty set (finite, no NaN gradient); the caller drops it."""
     scale = q.size(-1) ** -0.5
     if backend == "flex":
+        # imported here: vanilla asks no newer torch than the record's own code (AuxRequest came in 2.9)
+        from torch.nn.attention.flex_attention import AuxRequest
         B, T, d = q.shape
         q4, k4 = q[:, None], k[:, None]  # one head
 
@@ -1543,7 +1548,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     def window_tensor(step):
         w = window_blocks(step, a)
         if w not in window_tensors:
-            window_tensors[w] = torch.tensor(w, dtype=torch.int32, device=device)
+            window_tensors[w] = torch.full((), w, dtype=torch.int32, device=device)  # a fill: no host copy
         return window_tensors[w]
 
     def train_step(step):
@@ -1611,6 +1616,13 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    if os.environ.get("CPLM_GPU_TURN"):  # records/gpu/first_call.py: jobs compile side by side, time in turn
+        import fcntl
+        waited = time.perf_counter()
+        gpu_turn = open(os.environ["CPLM_GPU_TURN"], "a")
+        fcntl.flock(gpu_turn, fcntl.LOCK_EX)  # held until the process ends
+        log(f"gpu turn: waited {time.perf_counter() - waited:.1f}s")
+    peak_train = peak_eval = 0  # bytes: training and validation apart (validation rows can be much longer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     synchronize()
@@ -1621,7 +1633,13 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
             synchronize()
             training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops during validation
+            if device.type == "cuda":
+                peak_train = max(peak_train, torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
             result = evaluate(compiled, val_tokens, a, window_tensor(step), rank, world_size, device)
+            if device.type == "cuda":
+                peak_eval = max(peak_eval, torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
             log(f"step:{step}/{a.num_iterations} val_loss:{result['val_loss']:.4f} "
                 f"train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms")
             log(f"step:{step}/{a.num_iterations} " + " ".join(f"{k}:{v:.4f}" for k, v in result.items()
@@ -1658,8 +1676,9 @@ def train(a: Hyperparameters, log, rank, world_size, device):
             log(f"step:{step}/{a.num_iterations} {timing}")
 
     if device.type == "cuda":
-        log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+        log(f"peak memory allocated: {max(peak_train, peak_eval) // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        log(f"peak memory allocated in training: {peak_train // 2**20} MiB, in validation: {peak_eval // 2**20} MiB")
     else:
         import resource
         log(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
