@@ -147,7 +147,7 @@ def test_first_call_dry_run_reports_through_a_failure_and_a_hang(tmp_path):
         header[:3] = [20240520, 1, n]
         (data / f"toy_{split}_000000.bin").write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
     out = tmp_path / "out"
-    deadline = 150
+    deadline = 75
     t0 = __import__("time").monotonic()
     r = __import__("subprocess").run(
         [sys.executable, "records/gpu/first_call.py", "--dry_run", "--out", str(out), "--data", str(data),

@@ -1616,11 +1616,12 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    gpu_turn = None
     if os.environ.get("CPLM_GPU_TURN"):  # records/gpu/first_call.py: jobs compile side by side, time in turn
         import fcntl
         waited = time.perf_counter()
         gpu_turn = open(os.environ["CPLM_GPU_TURN"], "a")
-        fcntl.flock(gpu_turn, fcntl.LOCK_EX)  # held until the process ends
+        fcntl.flock(gpu_turn, fcntl.LOCK_EX)  # released after the final line (or when the process ends)
         log(f"gpu turn: waited {time.perf_counter() - waited:.1f}s")
     peak_train = peak_eval = 0  # bytes: training and validation apart (validation rows can be much longer)
     if device.type == "cuda":
@@ -1683,6 +1684,8 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         import resource
         log(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
     log(f"final val_loss:{result['val_loss']:.4f} train_time:{training_time_ms:.0f}ms steps:{step}")
+    if gpu_turn is not None:
+        gpu_turn.close()
     return 0
 
 

@@ -73,11 +73,15 @@ class Job:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.proc.wait()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # a process freeing much GPU memory can take a while to go
+                pass
 
     @property
     def rc(self):
-        return self.proc.poll()
+        rc = self.proc.poll()
+        return -9 if rc is None and self.killed else rc
 
     def status(self):
         if self.killed:
@@ -169,13 +173,17 @@ def train_cmd(args, mode, name, extra=()):
                  "--val_seq_len", "49152", "--val_tokens", str(4 * 49152), *extra]
 
 
-def run_jobs(jobs, deadline, report, on_exit=None):
+def run_jobs(jobs, deadline, report, on_exit=None, hold=None):
     """Polls the jobs until each has ended or the deadline comes; kills what is left at the deadline. A job
     that holds the GPU (its timed loop) longer than its share of the time left is killed, so that one hang
     cannot take the others' turns: the share is the time left when it took the GPU over the training jobs
     still to time, itself included."""
     while any(j.rc is None for j in jobs):
         time.sleep(0.5)
+        if hold is not None and not hold.closed and all(
+                j.rc is not None or "warm-up done" in j.events for j in jobs if j.name != "refcheck"):
+            hold.close()  # every training job has compiled: the timed loops may start, one at a time
+            report(f"  [{time.monotonic() - T0:5.0f}s] every training job warmed up: the GPU turns begin")
         for j in jobs:
             if j.rc is None and "gpu turn" in j.events:
                 if not hasattr(j, "turn_budget"):
@@ -327,45 +335,72 @@ def main(argv=None):
                     "time.sleep(10**6)"]
         return cmd
 
-    lock = os.path.join(args.out, "logs", "gpu.lock")
-    env = {"CPLM_GPU_TURN": lock, "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1"}
+    # the GPU turn: a file lock outside $OUT; this process holds it until every training job has compiled, so
+    # no timed loop runs while another job still compiles (16 cores shared) or autotunes on the GPU
+    lock = os.path.join("/tmp", f"cplm_gpu_turn_{os.getpid()}.lock")
+    import fcntl
+    hold = open(lock, "a")
+    fcntl.flock(hold, fcntl.LOCK_EX)
+    env = {"CPLM_GPU_TURN": lock, "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1",
+           "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 3) // 3))}
     refcheck = [sys.executable, os.path.join(HERE, "cuda_cp_check.py")] + (["--dry_run"] if args.dry_run else [])
     report("")
     report("== jobs (compiling side by side; the timed loops take turns on the GPU) ==")
     jobs = [Job(name, maybe_injected(name, cmd), args.out, env) for name, cmd in (
         ("vanilla", train_cmd(args, 0, "vanilla")), ("cplm", train_cmd(args, 1, "cplm")), ("refcheck", refcheck))]
 
-    def fallback(job):  # CPLM (flex) died before its warm-up ended: the dense CP sums, if time is left
-        if job.name == "cplm" and job.rc != 0 and "warm-up done" not in job.events \
+    dense = ["--cp_backend", "dense", "--cp_chunk", "256" if args.dry_run else "49152"]
+    fell_back = []
+
+    def fallback(job):  # CPLM (flex) died before its warm-up ended, or the reference check found flex
+        # unusable (exit 3): the dense CP sums in its place, if time is left
+        cplm = next(j for j in jobs if j.name == "cplm")
+        flex_failed = (job.name == "cplm" and job.rc != 0) or (job.name == "refcheck" and job.rc == 3)
+        if flex_failed and not fell_back and "warm-up done" not in cplm.events \
                 and deadline - time.monotonic() > (20 if args.dry_run else 150):
+            cplm.kill("flex failed")
+            fell_back.append(True)
             report("  CPLM (flex) failed before its warm-up ended: CPLM with the dense CP sums instead")
-            chunk = "256" if args.dry_run else "49152"
-            return [Job("cplm_dense", maybe_injected("cplm_dense", train_cmd(
-                args, 1, "cplm_dense", ["--cp_backend", "dense", "--cp_chunk", chunk])), args.out, env)]
+            return [Job("cplm_dense", maybe_injected("cplm_dense", train_cmd(args, 1, "cplm_dense", dense)),
+                        args.out, env)]
         return []
 
-    run_jobs(jobs, deadline, report, on_exit=fallback)
+    try:
+        run_jobs(jobs, deadline, report, on_exit=fallback, hold=hold)
+        hold.close()
+        finish(args, report, jobs, deadline, dense if fell_back else [])
+    finally:  # whatever happened above, the logs go back packed
+        pack(args, report)
+    return 0
+
+
+def finish(args, report, jobs, deadline, cplm_flags):
+    env = {"TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1"}
     # the record's validation rows (256Ki tokens): memory of evaluation, if time is left
     if deadline - time.monotonic() > (10 if args.dry_run else 120) and not args.dry_run:
         report("")
         report("== evaluation at 256Ki-token rows (memory) ==")
-        eval_jobs = [Job(f"eval256k_{name}", train_cmd(args, mode, f"eval256k_{name}") + [
-            "--num_iterations", "0", "--warmup_steps", "0", "--val_seq_len", "262144", "--val_tokens", "262144"],
-            args.out, env) for name, mode in (("vanilla", 0), ("cplm", 1))]
-        run_jobs(eval_jobs, deadline, report)
+        eval_jobs = []
+        for name, mode, extra in (("cplm", 1, cplm_flags), ("vanilla", 0, [])):  # one at a time: memory
+            eval_jobs.append(Job(f"eval256k_{name}", train_cmd(args, mode, f"eval256k_{name}", extra) + [
+                "--num_iterations", "0", "--warmup_steps", "0", "--val_seq_len", "262144", "--val_tokens", "262144"],
+                args.out, env))
+            run_jobs(eval_jobs[-1:], deadline, report)
         for j in eval_jobs:
             log = parse_train_log(os.path.join(args.out, "logs", f"{j.name}.txt"))
             report(f"{j.name}: {j.status()}; peak memory of validation {log['peak_eval']} MiB"
                    + ("" if j.rc == 0 else f" -- {j.last_line()}"))
         jobs += eval_jobs
     write_summary(report, args, [j for j in jobs if not j.name.startswith("eval256k")])
-    # pack the logs: the device tool brings back at most 8 files
+
+
+def pack(args, report):
+    """The logs into logs.tar.gz: the device tool brings back at most 8 files."""
+    import shutil
     with tarfile.open(os.path.join(args.out, "logs.tar.gz"), "w:gz") as tar:
         tar.add(os.path.join(args.out, "logs"), arcname="logs")
-    report(f"logs packed into logs.tar.gz; total {time.monotonic() - T0:.0f}s of a {args.deadline_s:.0f}s deadline")
-    import shutil
     shutil.rmtree(os.path.join(args.out, "logs"), ignore_errors=True)
-    return 0
+    report(f"logs packed into logs.tar.gz; total {time.monotonic() - T0:.0f}s of a {args.deadline_s:.0f}s deadline")
 
 
 T0 = time.monotonic()

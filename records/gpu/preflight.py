@@ -31,21 +31,23 @@ import unittest.mock
 import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._inductor.graph import GraphLowering
 from torch.utils._pytree import tree_map
 
-# the messages at which a CPU machine legitimately stops: no Triton at all; Triton without a GPU driver; a query
-# of the CUDA device's properties (FlexAttention's lowerings ask for them once told the device is CUDA)
-GPU_NEEDED = ("No module named 'triton'", "0 active drivers", "Torch not compiled with CUDA enabled",
-              "Found no NVIDIA driver", "No CUDA GPUs are available")
+# the messages at which a CPU machine legitimately stops: no Triton at all; Triton without a GPU driver...
+TRITON_NEEDED = ("No module named 'triton'", "0 active drivers")
+# ...and, inside a FlexAttention lowering only (told the device is CUDA), a query of the CUDA device
+GPU_NEEDED = TRITON_NEEDED + ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
+                              "No CUDA GPUs are available")
 
 
-def gpu_needed(exc: BaseException) -> str | None:
-    """The GPU_NEEDED message found in exc or the exceptions it wraps, else None."""
+def gpu_needed(exc: BaseException, messages=GPU_NEEDED) -> str | None:
+    """The first of `messages` found in exc or the exceptions it wraps, else None."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         text = f"{type(exc).__name__}: {exc}"
-        for message in GPU_NEEDED:
+        for message in messages:
             if message in text:
                 return message
         exc = exc.__cause__ or exc.__context__
@@ -57,11 +59,13 @@ class GraphResult:
     kind: str                 # "forward", "backward" or "inference"
     ops: int                  # call_function nodes in the graph
     flex_stops: list          # (flex op, message) for each FlexAttention op lowered up to a GPU-only step
-    stop: str | None = None   # the GPU_NEEDED message at which the graph's compilation stopped; None: none
+    stop: str | None = None   # the TRITON_NEEDED message at which the graph's compilation stopped; None: none
+    codegen: bool = False     # the whole graph was lowered and code generation began
     error: str | None = None  # anything else that stopped it: a finding
 
     def line(self):
-        end = f"FAILED: {self.error}" if self.error else (f"stopped at {self.stop!r}" if self.stop else "compiled")
+        end = f"FAILED: {self.error}" if self.error else (
+            f"code generation stopped at {self.stop!r}" if self.stop else "compiled")
         return (f"{self.kind:9s} graph: {self.ops} ops, {len(self.flex_stops)} FlexAttention op(s) lowered up to "
                 f"a GPU-only step; {end}")
 
@@ -117,11 +121,17 @@ def lower(fn, *inputs, backward=True):
         kind = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
         stops = []
         result = GraphResult(kind, sum(n.op == "call_function" for n in gm.graph.nodes), stops)
+        codegen = GraphLowering.codegen
+
+        def codegen_reached(self, *args, **kwargs):  # lowering is over: every node of the graph was lowered
+            result.codegen = True
+            return codegen(self, *args, **kwargs)
         try:
-            with _flex_lowered_as_on_gpu(stops):
+            with _flex_lowered_as_on_gpu(stops), unittest.mock.patch.object(GraphLowering, "codegen", codegen_reached):
                 compile_fx_inner(gm, example_inputs, **kwargs)
+            result.codegen = True
         except Exception as e:
-            result.stop = gpu_needed(e)
+            result.stop = gpu_needed(e, TRITON_NEEDED)
             if result.stop is None:
                 result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
         results.append(result)
@@ -146,9 +156,10 @@ def lower(fn, *inputs, backward=True):
 
 
 def expect_gpu_stops(results, kinds):
-    """Asserts that the graphs of these kinds were lowered, each stopping only where a GPU is needed."""
+    """Asserts that the graphs of these kinds were lowered whole (code generation began), each stopping only
+    where Triton is needed (and its FlexAttention ops only where a GPU is)."""
     assert sorted(r.kind for r in results) == sorted(kinds), [r.line() for r in results]
     for r in results:
         assert r.error is None, r.line()
-        assert r.stop is not None or not r.flex_stops, r.line()
+        assert r.codegen, f"lowering did not reach code generation: {r.line()}"
     return results
