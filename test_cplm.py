@@ -753,16 +753,19 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     r = run_cli(tiny_flags(toy_data, tmp_path, run_id="new_rate", resume=ckpt, lr_head=0.004, val_loss_every=0))
     assert r.returncode == 0, r.stderr[-2000:]
     log = (tmp_path / "new_rate.txt").read_text()
-    assert "learning rates from the command line: --lr_head 0.008 -> 0.004" in log
+    assert re.search(r"changed on the command line: .*--lr_head 0\.008 -> 0\.004", log)
     # past the end: nothing to do, nothing written
     r = run_cli(tiny_flags(toy_data, tmp_path, run_id="late", num_iterations=4, resume=ckpt))
     assert r.returncode == 0 and "nothing to train: the checkpoint is at step 5" in r.stdout
     assert not (tmp_path / "late").exists()
-    # a fresh run replacing "full" rotates only its own checkpoints
+    # a fresh run replacing "full" (--overwrite 1) replaces its checkpoints too: no old one is left to resume
+    # into the new log (copied aside first: the checks below still need one)
+    shutil.copy(ckpt, tmp_path / "kept.pt")
+    ckpt = tmp_path / "kept.pt"
     r = run_cli(tiny_flags(toy_data, tmp_path, run_id="full", overwrite=1, num_iterations=3, checkpoint_every=1,
                            keep_checkpoints=2, val_loss_every=0))
     assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "full").iterdir()) == [
-        "state_step000002.pt", "state_step000003.pt", "state_step000005.pt", "state_step000006.pt"]
+        "state_step000002.pt", "state_step000003.pt"]
     # unreadable and mismatched checkpoints: one line, exit 1, and no log left behind
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     (tmp_path / "cut.pt").write_bytes(ckpt.read_bytes()[:5000])
@@ -773,6 +776,71 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert "model_dim 64 -> 32" in r.stderr and "cplm 0 -> 1" in r.stderr
     assert not (tmp_path / "bad.txt").exists()
+
+
+def test_nothing_is_replaced_unless_asked_and_started(toy_data, tmp_path):
+    """Faults a hostile tester found: --resume into another run's id wrote into that finished run; a refused
+    --overwrite run deleted the old log; a resume took changed settings silently (and a forgotten
+    --num_iterations extended the run to the preset's 200 steps); a checkpoint whose tensor bytes changed
+    resumed silently."""
+    def log_of(run):
+        return (tmp_path / f"{run}.txt").read_bytes()
+
+    assert run_cli(tiny_flags(toy_data, tmp_path, run_id="a", checkpoint_every=2)).returncode == 0
+    assert run_cli(tiny_flags(toy_data, tmp_path, run_id="b", checkpoint_every=2)).returncode == 0
+    a_ckpt, b_ckpt = tmp_path / "a" / "state_step000004.pt", tmp_path / "b" / "state_step000004.pt"
+    before = {p: p.read_bytes() for p in (tmp_path / "a.txt", tmp_path / "b.txt", b_ckpt)}
+    # 1. resuming a's checkpoint under b's id: refused, b untouched
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="b", resume=a_ckpt))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "b.txt exists" in r.stderr
+    assert all(p.read_bytes() == b for p, b in before.items())
+    # 2. --overwrite 1 with a bad shard: refused before it started, the old log and checkpoints intact
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_shard(bad / "toy_train_000000.bin", toy_corpus(5000, 0), magic=1)
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="b", overwrite=1, train_files=f"{bad}/toy_train_*.bin"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert all(p.read_bytes() == b for p, b in before.items()) and not list(tmp_path.glob(".b.txt*"))
+    # 3. a resume continues with the checkpoint's settings: a forgotten --num_iterations is the run's 6, not the
+    # preset's 200; a changed setting is applied and listed
+    args = tiny_flags(toy_data, tmp_path, run_id="", resume=a_ckpt)
+    i = args.index("--num_iterations")
+    r = run_cli(args[:i] + args[i + 2:] + ["--logit_softcap", "20"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = log_of("a").decode()
+    assert "continuing at step 4" in log and "changed on the command line: --logit_softcap 15.0 -> 20.0" in log
+    run_lines = log.split("=" * 100 + "\n", 1)[1]  # after the script's own source
+    assert run_lines.count("resumed from") == 1 and "final val_loss" in log.split("continuing at step 4")[1]
+    assert re.findall(r"^step:(\d+)/(\d+) train_loss", log, re.M)[-1] == ("6", "6")
+    # 4. a checkpoint whose tensor bytes changed (a valid file: the zip reader would not notice) is refused
+    state = torch.load(b_ckpt, weights_only=True)
+    state["model"]["embed.weight"][3, :8] = 9.5e14
+    torch.save(state, tmp_path / "corrupt.pt")
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="c", resume=tmp_path / "corrupt.pt"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "do not match the digest" in r.stderr
+    # a checkpoint from before the digest (no "digest" key) still resumes
+    del state["digest"]
+    state["model"]["embed.weight"][3, :8] = 0.0
+    torch.save(state, tmp_path / "old.pt")
+    assert run_cli(tiny_flags(toy_data, tmp_path, run_id="d", resume=tmp_path / "old.pt")).returncode == 0
+
+
+def test_a_pipe_among_the_inputs_is_refused_not_waited_on(toy_data, tmp_path):
+    """A FIFO matched by --train_files once blocked the trainer forever (np.fromfile waits for a writer), and
+    one inside a tokenizer input folder blocked the tokenizer: now a one-line refusal, and a skipped file."""
+    data = tmp_path / "d"
+    shutil.copytree(toy_data, data)
+    os.mkfifo(data / "toy_train_000009.bin")
+    r = run_cli(tiny_flags(data, tmp_path), timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "not a regular file" in r.stderr
+    assert not (tmp_path / "run.txt").exists() and not list(tmp_path.glob(".run.txt*"))
+    folder = tmp_path / "texts"
+    _text_files(folder)
+    os.mkfifo(folder / "pipe.txt")
+    out = tmp_path / "out"
+    assert tc.main([str(folder), "--encoding", "bytes", "--out_dir", str(out), "--name", "t"]) == 0
+    r = _run([TOKENIZE, folder / "pipe.txt", "--encoding", "bytes", "--out_dir", out, "--name", "u"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "neither a regular file nor a folder" in r.stderr
 
 
 def test_missing_data_names_the_download_command(tmp_path):
@@ -1634,6 +1702,25 @@ def test_tokenize_removes_temporary_files_of_a_killed_run(tmp_path, capsys):
     assert len(said) == 1 and stale.name in said[0]
     assert not stale.exists() and other.exists()
     assert sorted(p.name for p in out.iterdir()) == [other.name, "t_train_000000.bin", "t_val_000000.bin"]
+
+
+def test_tokenize_leaves_other_corpora_alone(tmp_path, capsys):
+    """The stale-shard clean-up removes only this corpus's own shards: corpus x must not take x_val's
+    (x_val_train_000000.bin once matched x_val_*.bin), and a name with glob characters is refused."""
+    out = tmp_path / "out"
+    out.mkdir()
+    inputs = [*map(str, _text_files(tmp_path / "in"))]
+    others = [out / n for n in ("x_val_train_000000.bin", "x_val_val_000000.bin", "x_train_000000.bin.bak",
+                                "xx_train_000000.bin", ".x_val_train_000000.bin.tmp9")]
+    for f in others:
+        f.write_bytes(b"another corpus")
+    assert tc.main(inputs + ["--encoding", "bytes", "--out_dir", str(out), "--name", "x"]) == 0
+    assert all(f.read_bytes() == b"another corpus" for f in others)
+    for name in ("*", "x?", "[x]", "../x", ""):
+        with pytest.raises(SystemExit) as e:
+            tc.main(inputs + ["--encoding", "bytes", "--out_dir", str(out), "--name", name])
+        assert e.value.code == 2
+    assert all(f.exists() for f in others) and (out / "x_train_000000.bin").exists()
 
 
 def test_tokenize_skips_binary_files(tmp_path, capsys):

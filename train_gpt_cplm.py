@@ -14,12 +14,14 @@ import ctypes
 import dataclasses
 import datetime
 import glob
+import hashlib
 import inspect
 import json
 import math
 import os
 import platform
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -129,7 +131,8 @@ FIELD_HELP = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", inspect.getsourc
 
 
 LR_FIELDS = ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")
-FLAGS_GIVEN = set()  # the flags of the last parse_args: a resumed run keeps the checkpoint's rates unless given
+FLAGS_GIVEN = set()  # the flags of the last parse_args: a resumed run keeps its checkpoint's settings unless given
+INVOCATION_FIELDS = ("preset", "resume", "run_id", "log_dir", "overwrite")  # about this command, not the run
 
 
 class UsageError(Exception):
@@ -216,6 +219,8 @@ SHARD_DTYPES = {1: np.uint16, 2: np.uint32}  # version -> token type
 def shard_header(path: str) -> tuple[np.dtype, int, int]:
     """(token dtype, token count, vocabulary size or 0) of one shard, its header checked against the file."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the read below forever
+            raise DataError(f"{path}: not a regular file (a folder, pipe or device), so not a token shard")
         size = os.path.getsize(path)
         header = np.fromfile(path, dtype="<i4", count=256)
     except OSError as e:
@@ -1244,36 +1249,69 @@ def window_blocks(step, a: Hyperparameters):
 
 
 class Logger:
-    """Rank 0 writes logs/<run_id>.txt: the script's source, the environment, then the run's lines. A resumed
-    run appends a "resumed" section to its run's log instead of starting a new one. undo() takes back what
-    this run wrote, for a run refused before it started (bad data, a checkpoint that does not fit)."""
+    """Rank 0 writes logs/<run_id>.txt: the script's source, the environment, then the run's lines. A run that
+    resumes its own checkpoint appends a "resumed" section to its log. A new run writes to a hidden temporary
+    file, which replaces logs/<run_id>.txt (and, with --overwrite, the old run's checkpoints go) only at
+    start(), once data and checkpoint are checked: a refused run leaves the old log untouched. undo() takes
+    back what a refused run wrote."""
 
     def __init__(self, a: Hyperparameters, master: bool):
         self.path = log_path(a) if master else None
-        self.size_before = None  # None: the file is this run's own
+        self.run_folder = os.path.join(a.log_dir, a.run_id)
+        self.started = False
+        self.size_before = None  # appending: the log's size before this run
+        self.writing = self.path  # where lines go: the log itself, or the temporary file until start()
         if self.path:
-            resuming = a.resume and os.path.exists(self.path)
-            self.size_before = os.path.getsize(self.path) if resuming else None
-            header = f"resumed from {a.resume}" if resuming else open(__file__).read()
-            with open(self.path, "a" if resuming else "w") as f:
-                f.write(("=" * 100 + "\n" + header + "\n") if resuming else (header + "\n" + "=" * 100 + "\n"))
+            appending = continues_own_run(a) and os.path.exists(self.path)
+            if appending:
+                self.size_before = os.path.getsize(self.path)
+            else:
+                self.writing = os.path.join(a.log_dir, f".{a.run_id}.txt.starting{os.getpid()}")
+            text = ("=" * 100 + f"\nresumed from {a.resume}\n") if appending else (
+                open(__file__).read() + "\n" + "=" * 100 + "\n")
+            try:
+                with open(self.writing, "a" if appending else "w") as f:
+                    f.write(text)
+            except OSError as e:
+                self.undo()
+                raise UsageError(f"{self.writing}: cannot write the log ({e.strerror})")
 
     def __call__(self, line, console=True):
         if self.path:
             if console:
                 print(line, flush=True)
-            with open(self.path, "a") as f:
+            with open(self.writing, "a") as f:
                 f.write(line + "\n")
 
+    def start(self, overwrite=False):
+        """The run has really started: its log takes the run_id's name; --overwrite drops the old checkpoints."""
+        self.started = True
+        if self.path and self.writing != self.path:
+            if overwrite and os.path.isdir(self.run_folder):
+                for old in glob.glob(os.path.join(self.run_folder, "state_step*.pt")):
+                    os.remove(old)
+            os.replace(self.writing, self.path)
+            self.writing = self.path
+
     def undo(self):
-        if self.path and self.size_before is None:
-            os.remove(self.path)
-        elif self.path:
+        if not self.path:
+            return
+        if self.writing != self.path:
+            if os.path.exists(self.writing):
+                os.remove(self.writing)
+        elif self.size_before is not None:
             os.truncate(self.path, self.size_before)
 
 
 def log_path(a: Hyperparameters):
     return os.path.join(a.log_dir, f"{a.run_id}.txt")
+
+
+def continues_own_run(a: Hyperparameters):
+    """--resume of a checkpoint in logs/<run_id>/ continues that run; from anywhere else it starts a new run
+    (run_id) from the checkpoint's state."""
+    return bool(a.resume) and os.path.abspath(os.path.dirname(a.resume)) == os.path.abspath(
+        os.path.join(a.log_dir, a.run_id))
 
 
 def check_log_target(a: Hyperparameters):
@@ -1289,9 +1327,11 @@ def check_log_target(a: Hyperparameters):
     checkpoints = os.path.join(a.log_dir, a.run_id)
     if os.path.exists(checkpoints) and not os.path.isdir(checkpoints):
         raise UsageError(f"{checkpoints} is a file, but checkpoints go in a folder of that name: choose another --run_id")
-    if os.path.exists(log_path(a)) and not a.resume and not a.overwrite:
-        raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume, "
-                         "or replace it with --overwrite 1")
+    if os.path.exists(log_path(a)) and not continues_own_run(a) and not a.overwrite:
+        raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume of one of its "
+                         "own checkpoints, or replace it with --overwrite 1")
+    for stale in glob.glob(os.path.join(a.log_dir, f".{glob.escape(a.run_id)}.txt.starting*")):
+        os.remove(stale)  # the temporary log of a run killed before it started
 
 
 def environment_lines(device, world_size):
@@ -1352,6 +1392,7 @@ def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
                  loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a))
+    state["digest"] = tensor_digest([state["model"], state["optimizers"]])
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
     written.append(path)
@@ -1361,9 +1402,29 @@ def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, 
     del written[:-a.keep_checkpoints]
 
 
+def tensor_digest(obj) -> str:
+    """sha256 over every tensor in a nested state (names, dtypes, shapes, bytes): torch's zip reader checks no
+    CRC, so a checkpoint carries this, and a file whose bytes changed is refused instead of resumed."""
+    h = hashlib.sha256()
+
+    def visit(x, name):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                visit(x[k], f"{name}.{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                visit(v, f"{name}[{i}]")
+    visit(obj, "")
+    return h.hexdigest()
+
+
 def read_checkpoint(a: Hyperparameters, device):
-    """The checkpoint to resume from, refused in one line when it is unreadable or made by a run of another
-    shape or mode."""
+    """The checkpoint to resume from, refused in one line when it is unreadable or its bytes changed since it
+    was saved (checkpoints written before the digest existed are read unverified)."""
     try:
         state = torch.load(a.resume, map_location=device, weights_only=True)
         saved = state["hyperparameters"]
@@ -1373,10 +1434,27 @@ def read_checkpoint(a: Hyperparameters, device):
     except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
         raise DataError(f"--resume {a.resume}: not a readable checkpoint of this script "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+    if "digest" in state and tensor_digest([state["model"], state["optimizers"]]) != state["digest"]:
+        raise DataError(f"--resume {a.resume}: its tensors do not match the digest saved with them: the file is "
+                        "corrupted; resume from an earlier checkpoint")
+    return state
+
+
+def settings_on_resume(a: Hyperparameters, saved: dict):
+    """The checkpoint's settings for every field not given on this command line; the given ones that differ
+    from the checkpoint's, as lines for the log ("--batch_size 2048 -> 4096")."""
+    names = [f.name for f in dataclasses.fields(Hyperparameters) if f.name not in INVOCATION_FIELDS]
+    a = dataclasses.replace(a, **{f: saved[f] for f in names if f in saved and f not in FLAGS_GIVEN})
+    return a, [f"--{f} {saved[f]!r} -> {getattr(a, f)!r}" for f in names
+               if f in saved and f in FLAGS_GIVEN and saved[f] != getattr(a, f)]
+
+
+def check_checkpoint_fits(a: Hyperparameters, state):
+    """A checkpoint fits only a model of the same shape and mode."""
+    saved = state["hyperparameters"]
     differ = [f"{f} {saved.get(f)!r} -> {getattr(a, f)!r}" for f in SHAPE_FIELDS if saved.get(f) != getattr(a, f)]
     if differ:
         raise DataError(f"--resume {a.resume}: the checkpoint's model differs from this run's: {', '.join(differ)}")
-    return state
 
 
 def read_model_checkpoint(path, device="cpu", mmap=False):
@@ -1473,7 +1551,7 @@ def main(argv=None):
     try:
         return train(a, log, rank, world_size, device)
     except (UsageError, DataError):
-        if not getattr(log, "started", False):  # refused before the first step: leave no trace in the logs
+        if not log.started:  # refused before the first step: leave no trace in the logs
             log.undo()
         else:
             log(f"stopped: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}", console=False)
@@ -1490,27 +1568,28 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     for line in environment_lines(device, world_size):
         log(line, console=False)
     log(f"run_id: {a.run_id}")
+    checkpoint, changed = None, []
+    if a.resume:  # a resumed run continues with its checkpoint's settings; flags given now win, each one listed
+        checkpoint = read_checkpoint(a, device)
+        a, changed = settings_on_resume(a, checkpoint["hyperparameters"])
     # data first: every shard is checked (header, size, token ids) before any model is built
     a = resolve_vocabulary(a)
     loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size)
     val_tokens = load_val_tokens(a.val_files, a.val_tokens, a.vocab_size)
     grad_accum = a.batch_size // a.seq_len // world_size
-    checkpoint = read_checkpoint(a, device) if a.resume else None
+    if checkpoint is not None:
+        check_checkpoint_fits(a, checkpoint)
     if rank == 0:  # a kill during a save leaves a temporary file: the checkpoint it held never existed
         folders = {os.path.join(a.log_dir, a.run_id)} | ({os.path.dirname(a.resume)} if a.resume else set())
         for stale in sorted(f for folder in folders for f in glob.glob(os.path.join(folder, "state_step*.pt.tmp"))):
             os.remove(stale)
             log(f"removed {stale}, left by a run killed while saving")
     if checkpoint is not None and checkpoint["step"] >= a.num_iterations:
-        log.started = True
+        log.start()
         log(f"nothing to train: the checkpoint is at step {checkpoint['step']}, --num_iterations is {a.num_iterations}")
         return 0
-    if checkpoint is not None:  # learning rates not given on this command line stay the checkpoint's
-        kept = {f: checkpoint["hyperparameters"][f] for f in LR_FIELDS if f not in FLAGS_GIVEN
-                and f in checkpoint["hyperparameters"]}
-        a = dataclasses.replace(a, **kept)
     log(f"hyperparameters: {json.dumps(dataclasses.asdict(a))}")
-    log.started = True  # from here on, a failure is part of the run's story
+    log.start(overwrite=bool(a.overwrite))  # from here on, a failure is part of the run's story
 
     fp8_head = a.fp8_head == 1 or (a.fp8_head == -1 and fp8_available(device))
     if a.fp8_head == -1 and device.type == "cuda" and not fp8_head:
@@ -1602,10 +1681,9 @@ def train(a: Hyperparameters, log, rank, world_size, device):
                 group["initial_lr"] = lr  # ...but this run's are the ones it asked for
         loader.set_state(checkpoint["loader"])
         start_step, training_time_ms = checkpoint["step"], checkpoint["training_time_ms"]
-        saved = checkpoint["hyperparameters"]
-        changed = [f"--{f} {saved.get(f)} -> {getattr(a, f)}" for f in LR_FIELDS if saved.get(f) != getattr(a, f)]
-        log(f"resumed from {a.resume} at step {start_step}, train_time {training_time_ms:.0f}ms"
-            + (f"; learning rates from the command line: {', '.join(changed)}" if changed else ""))
+        log(("continuing" if log.size_before is not None else f"resumed from {a.resume}")
+            + f" at step {start_step}, train_time {training_time_ms:.0f}ms"
+            + (f"; changed on the command line: {', '.join(changed)}" if changed else "; every setting the checkpoint's"))
 
     def checkpoint_path(step):
         return os.path.join(a.log_dir, a.run_id, f"state_step{step:06d}.pt")

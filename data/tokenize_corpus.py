@@ -34,6 +34,7 @@ Exit codes: 0 done, 1 tokenizer could not be loaded, every input binary, or --ou
 import argparse
 import fnmatch
 import glob
+import re
 import hashlib
 import json
 import os
@@ -193,8 +194,8 @@ def collect_dir(root, patterns, exclude_dirs=()):
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames
                        if not d.startswith(".") and d != "__pycache__" and d not in exclude_dirs]
-        for fn in filenames:
-            if any(fnmatch.fnmatch(fn, pat) for pat in patterns):
+        for fn in filenames:  # regular files only: a pipe or a device would block or never end
+            if any(fnmatch.fnmatch(fn, pat) for pat in patterns) and (Path(dirpath) / fn).is_file():
                 found.append(Path(dirpath) / fn)
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
@@ -208,6 +209,9 @@ def collect_files(inputs, patterns, stdlib=False):
             files.extend(collect_dir(p, patterns))
         elif p.is_file():
             files.append(p)
+        elif p.exists():
+            raise InputError(f"input {inp} is neither a regular file nor a folder (a pipe or a device?): "
+                             "give text files or folders")
         else:
             raise InputError(f"input not found: {inp}")
     if stdlib:
@@ -351,7 +355,7 @@ def tokenize_corpus(docs, enc, out_dir, name, val_fraction=0.05, seed=0, shard_t
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # a killed run leaves its temporary shards behind (see _SplitWriter._write); nothing else removes them
-        leftovers = sorted(p for s in ("val", "train") for p in out_dir.glob(f".{glob.escape(name)}_{s}_*.bin.tmp*"))
+        leftovers = sorted(p for p in out_dir.iterdir() if is_shard_of(p.name, name, temporary=True))
         for p in leftovers:
             p.unlink()
     except OSError as e:
@@ -397,7 +401,7 @@ def tokenize_corpus(docs, enc, out_dir, name, val_fraction=0.05, seed=0, shard_t
                 for tmp, final, _, _ in w.written:
                     os.replace(tmp, final)
                     finals.add(final.name)
-            stale = sorted(p for s in ("val", "train") for p in out_dir.glob(f"{name}_{s}_*.bin") if p.name not in finals)
+            stale = sorted(p for p in out_dir.iterdir() if is_shard_of(p.name, name) and p.name not in finals)
             for p in stale:
                 p.unlink()
         except OSError as e:
@@ -453,9 +457,16 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.inputs and not args.stdlib:
         p.error("no input: give files/folders to tokenize, or --stdlib")
-    if not args.name or any(c in args.name for c in "/\\"):
-        p.error(f"--name must be a plain file prefix (got {args.name!r})")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name or ""):
+        p.error(f"--name must be a plain file prefix of letters, digits, '.', '_' and '-' (got {args.name!r})")
     return args
+
+
+def is_shard_of(filename, name, temporary=False):
+    """Whether filename is one of corpus `name`'s shards ({name}_{val,train}_NNNNNN.bin), or with temporary, a
+    temporary file of one: exactly, so that no other corpus's files match (corpus x and corpus x_val)."""
+    shard = rf"{re.escape(name)}_(val|train)_\d{{6}}\.bin"
+    return re.fullmatch(rf"\.{shard}\.tmp.*" if temporary else shard, filename) is not None
 
 
 def main(argv=None):
