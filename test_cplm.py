@@ -677,6 +677,18 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     (["--checkpoint_every", "-1"], "--checkpoint_every -1"),
     (["--keep_checkpoints", "0"], "--keep_checkpoints must be >= 1"),
     (["--vocab_size", "-3"], "--vocab_size must be >= 0"),
+    # a hostile tester's: huge sizes that failed much later (a 256 GB allocation, an overflow, a C++ traceback)
+    (["--num_layers", "100000"], "--num_layers 100000 (at most 1024)"),
+    (["--attn_window", "99999999999"], "--attn_window 99999999999"),
+    (["--cp_dim", "10000000"], "--cp_dim 10000000"),
+    (["--vocab_size", "4000000000"], "--vocab_size 4000000000"),
+    (["--dist_timeout_s", "99999999999999"], "--dist_timeout_s 99999999999999"),
+    (["--logit_softcap", "inf"], "--logit_softcap must lie in [0, 1000]"),
+    (["--logit_softcap", "1e30"], "--logit_softcap must lie in [0, 1000]"),
+    (["--logit_softcap", "nan"], "--logit_softcap must lie in [0, 1000]"),
+    (["--preset", "cpu", "--no_attention_layer", "99"], "--no_attention_layer 99 is not a layer of a 4-layer model"),
+    (["--copy_gate_init", "0.5", "--cplm", "0"], "--copy_gate_init sets the CP head's gate: it needs --cplm 1"),
+    (["--preset", "cpu", "--cp_backend", "flex"], "--cp_backend flex needs a CUDA GPU"),
 ])
 def test_bad_values_are_usage_errors(args, message):
     with pytest.raises(tg.UsageError, match=re.escape(message)):
@@ -841,6 +853,26 @@ def test_a_pipe_among_the_inputs_is_refused_not_waited_on(toy_data, tmp_path):
     assert tc.main([str(folder), "--encoding", "bytes", "--out_dir", str(out), "--name", "t"]) == 0
     r = _run([TOKENIZE, folder / "pipe.txt", "--encoding", "bytes", "--out_dir", out, "--name", "u"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "neither a regular file nor a folder" in r.stderr
+
+
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """A full disk during a checkpoint once gave a 23-line traceback: now a DataError (one line from the
+    command line), no temporary file, and the previous checkpoint untouched."""
+    a = tg.Hyperparameters(keep_checkpoints=2)
+    model = torch.nn.Linear(4, 4)
+    opts = [torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)]
+    loader = types.SimpleNamespace(state=lambda: {"position": 0})
+    written, first = [], str(tmp_path / "run" / "state_step000001.pt")
+    tg.save_checkpoint(first, model, opts, 1, loader, 10.0, a, written)
+    saved = open(first, "rb").read()
+
+    def full_disk(obj, path):
+        open(path, "wb").write(b"half")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tg.torch, "save", full_disk)
+    with pytest.raises(tg.DataError, match="cannot save the checkpoint \\(No space left on device\\)"):
+        tg.save_checkpoint(str(tmp_path / "run" / "state_step000002.pt"), model, opts, 2, loader, 20.0, a, written)
+    assert sorted(os.listdir(tmp_path / "run")) == ["state_step000001.pt"] and open(first, "rb").read() == saved
 
 
 def test_missing_data_names_the_download_command(tmp_path):
@@ -1778,6 +1810,13 @@ def test_download_dir_under_a_file_is_one_line_exit_1(tmp_path, monkeypatch, cap
     target = tmp_path / "plain" / "fw"
     assert dl.download(1, local_dir=target, out=lambda *a: None) == 1
     assert_one_line(capsys.readouterr().err, str(target), "--dir")
+
+
+def test_download_a_folder_where_a_shard_should_be_is_one_line_exit_1(tmp_path, capsys):
+    """A directory named like a shard was an IsADirectoryError traceback."""
+    (tmp_path / "fineweb_val_000000.bin").mkdir()
+    assert dl.download(0, local_dir=tmp_path, out=lambda *a: None) == 1
+    assert_one_line(capsys.readouterr().err, "fineweb_val_000000.bin", "not a regular file")
 
 
 # ----------------------------------------------------------------------------------------------------

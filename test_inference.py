@@ -317,6 +317,14 @@ def test_sample_prints_the_prompt_and_generates_continuation(checkpoints, capsys
     r = run_script("sample", path.parent / "missing.pt", "--prompt", "x", capsys=capsys)
     assert r.returncode == 1
     assert_one_line(r.stderr, "missing.pt", "no such checkpoint")
+    # a hostile tester's: NaN temperature and a prompt of bytes that are not UTF-8 were tracebacks
+    for temperature in ("nan", "inf"):
+        r = run_script("sample", path, "--prompt", "x", "--temperature", temperature, capsys=capsys)
+        assert r.returncode == 2
+        assert_one_line(r.stderr, "--temperature")
+    r = run_script("sample", path, "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape"), capsys=capsys)
+    assert r.returncode == 2
+    assert_one_line(r.stderr, "--prompt is not valid UTF-8")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -376,6 +384,18 @@ def test_needle_cli_writes_table_json_and_heat_map(checkpoints, tmp_path, monkey
     r = run_script("needle", path, "--contexts", "12x", capsys=capsys)
     assert r.returncode == 2
     assert_one_line(r.stderr, "--contexts")
+    # a hostile tester's: --out a file or --name with a path lost every result after the computation; now
+    # refused before it
+    (tmp_path / "a_file").write_text("x")
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("computed before the output was checked")
+    monkeypatch.setattr(needle, "run", must_not_run)
+    r = run_script("needle", path, "--out", tmp_path / "a_file", capsys=capsys)
+    assert r.returncode == 1
+    assert_one_line(r.stderr, "--out", "cannot write")
+    r = run_script("needle", path, "--out", tmp_path, "--name", "../escape", capsys=capsys)
+    assert r.returncode == 2
+    assert_one_line(r.stderr, "--name")
 
 
 def test_needle_of_a_cplm_adds_the_cp_head_at_the_answer(checkpoints, tmp_path, capsys):

@@ -190,7 +190,22 @@ def check_args(a: Hyperparameters):
     need(0 <= a.copy_gate_init < 1, "--copy_gate_init is the gate's starting value: it must lie in [0, 1)")
     need(a.dist_timeout_s > 0 and a.train_loss_every >= 0, "--dist_timeout_s must be > 0, --train_loss_every >= 0")
     need(0 <= a.cooldown_frac <= 1, "--cooldown_frac must lie in [0, 1]")
-    need(a.logit_softcap >= 0, "--logit_softcap must be >= 0 (0: no soft-cap)")
+    need(0 <= a.logit_softcap <= 1000, f"--logit_softcap must lie in [0, 1000] (0: no soft-cap; the record's is 15), "
+         f"not {a.logit_softcap}: a huge cap makes every logit equal")
+    # sizes past any model this script can build fail later and worse (a 256 GB allocation, an overflow)
+    limits = dict(num_layers=1024, model_dim=65536, num_heads=4096, cp_dim=65536, vocab_size=2 ** 24,
+                  attn_window=2 ** 24, attn_window_start=2 ** 24, seq_len=2 ** 24, val_seq_len=2 ** 24,
+                  batch_size=2 ** 31, val_tokens=2 ** 31, cp_chunk=2 ** 24, num_iterations=10 ** 9,
+                  dist_timeout_s=7 * 86400, no_attention_layer=1023)
+    need(all(getattr(a, f) <= m for f, m in limits.items()), "too large: " + ", ".join(
+        f"--{f} {getattr(a, f)} (at most {m})" for f, m in limits.items() if getattr(a, f) > m))
+    # the presets' 7 on the cpu preset's 4 layers means none; a layer named on the command line must exist
+    need("no_attention_layer" not in FLAGS_GIVEN or a.no_attention_layer < a.num_layers,
+         f"--no_attention_layer {a.no_attention_layer} is not a layer of a {a.num_layers}-layer model "
+         "(-1: every layer has attention)")
+    need(a.cp_backend != "flex" or torch.cuda.is_available(), "--cp_backend flex needs a CUDA GPU (FlexAttention "
+         "has no backward on CPU): use --cp_backend dense or auto")
+    need(a.cplm == 1 or a.copy_gate_init == 0, "--copy_gate_init sets the CP head's gate: it needs --cplm 1")
     need(a.resume == "" or os.path.isfile(a.resume), f"--resume: no such checkpoint file: {a.resume}")
     need(all(x in (0, 1) for x in (a.cp_stop_grad, a.save_checkpoint, a.overwrite, a.coordinate_descent))
          and a.compile in (-1, 0, 1),
@@ -1393,8 +1408,15 @@ def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, 
     state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
                  loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a))
     state["digest"] = tensor_digest([state["model"], state["optimizers"]])
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    try:
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # a full disk: torch's zip writer raises RuntimeError
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:120]
+        raise DataError(f"{path}: cannot save the checkpoint ({reason}); the run stops here, and the previous "
+                        "checkpoint is intact")
     written.append(path)
     for old in written[:-a.keep_checkpoints]:
         if os.path.exists(old):

@@ -38,6 +38,8 @@ def shard_names(prefix, num_train):
 
 def check_local_shard(path):
     """None when `path` looks like a complete shard, else a short description of what is wrong."""
+    if not path.is_file():  # a folder, a pipe or a device where the shard should be
+        return "not a regular file"
     size = path.stat().st_size
     if size < HEADER_BYTES:
         return f"only {size} bytes, shorter than the {HEADER_BYTES}-byte header"

@@ -66,6 +66,8 @@ def parse_args(argv=None):
         p.error("--contexts must be at least 64 tokens each (the needle and the cue need room)")
     if args.trials < 1 or args.seed < 0:
         p.error("--trials must be >= 1 and --seed >= 0")
+    if args.name is not None and not re.fullmatch(r"[\w.-]+", args.name) or args.name in (".", ".."):
+        p.error(f"--name must be a plain file stem (letters, digits, '.', '_', '-'), not {args.name!r}")
     return args
 
 
@@ -238,6 +240,14 @@ def heat_map(results, contexts, path, title):
 
 def main(argv=None):
     args = parse_args(argv)
+    try:  # before the computation (minutes): a results folder that cannot be written loses nothing yet
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, f".needle_probe{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        print(f"needle.py: error: --out {args.out}: cannot write results there ({e.strerror})", file=sys.stderr)
+        return 1
     try:
         _, a, step = tg.load_model(args.checkpoint)
         contexts = args.contexts or [m * a.seq_len for m in (1, 2, 4, 8, 16)]

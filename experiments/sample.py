@@ -12,6 +12,7 @@ Attention uses the window the checkpoint was trained with at its step (--attenti
 Prints the prompt and the continuation. Exit codes: 0 done, 1 missing or unreadable checkpoint or
 tokenizer, 2 bad command line.
 """
+import math
 import sys
 
 from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
@@ -32,8 +33,12 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=("trained", "full"), default="trained",
                    help="trained: the checkpoint's sliding window; full: whole documents (default trained)")
     args = p.parse_args(argv)
-    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or args.seed < 0:
-        p.error("--max_new_tokens, --temperature, --top_k and --seed must be >= 0")
+    if args.max_new_tokens < 0 or not 0 <= args.temperature < math.inf or args.top_k < 0 or args.seed < 0:
+        p.error("--max_new_tokens, --top_k and --seed must be >= 0, --temperature finite and >= 0")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell could not decode arrive as lone surrogates
+        p.error("--prompt is not valid UTF-8 text")
     return args
 
 
