@@ -1269,6 +1269,8 @@ def write_log(path, run_id, hparams, vals, trains=(), diags=(), stopped=None, so
     if stopped:
         lines.append(f"stopped: {stopped}")
     lines.append("peak memory allocated: 1234 MiB reserved: 1300 MiB")
+    if not stopped and vals:  # a run that ended normally
+        lines.append(f"final val_loss:{vals[-1][1]:.4f} train_time:{vals[-1][2]}ms steps:{vals[-1][0]}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -1416,6 +1418,26 @@ def test_students_t_sf_known_values():
 
 def test_single_run_ttest_needs_two():
     assert compare.one_sided_ttest_below([3.2], 3.28) is None
+    assert compare.one_sided_ttest_below([3.2, 3.2], 3.28)["p"] is None  # no spread: undefined, not p = 0
+
+
+def test_killed_runs_and_copies_do_not_count(tmp_path):
+    """A hostile tester's: compare.py counted a killed run and a copy of one log in the group's mean and
+    t-test. They stay in the run table, marked, and out of the statistics."""
+    for seed, final in ((0, 3.20), (1, 3.24)):
+        write_log(tmp_path / f"run{seed}.txt", f"r{seed}", hp(seed), CURVE_A[:-1] + [(300, final, 30000)])
+    shutil.copy(tmp_path / "run0.txt", tmp_path / "run0_copy.txt")
+    write_log(tmp_path / "killed.txt", "rk", hp(2), CURVE_A[:2])  # no final line: killed midway
+    text = (tmp_path / "killed.txt").read_text()
+    (tmp_path / "killed.txt").write_text(text[:text.index("final val_loss")])
+    result = compare.compare([compare.parse_log(p) for p in compare.expand_paths([str(tmp_path)])], target=3.28)
+    (g,) = result["groups"]
+    assert g["n"] == 2 and g["n_excluded"] == 2
+    assert g["final_val_loss"]["mean"] == pytest.approx(3.22)
+    excluded = {os.path.basename(r["path"]): r["excluded"] for r in g["runs"] if r["excluded"]}
+    assert excluded["killed.txt"].startswith("incomplete") and excluded["run0_copy.txt"].startswith("copy of")
+    report = compare.format_report(result)
+    assert "2 (+2 excluded)" in report and "copy of" in report
     assert compare.mean_std([3.2]) == (3.2, None)
     assert compare.mean_std([]) == (None, None)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import math
 import os
@@ -107,11 +108,14 @@ def parse_log(path):
     hparams = None
     run_id = None
     by_step = {"val": {}, "train": {}, "diags": {}}
-    stopped, peak, reserved = None, None, None
+    stopped, peak, reserved, finished = None, None, None, False
     for line in lines[separator + 1:]:
         obj = _hparams_of(line)
         if obj is not None:
-            hparams, stopped = obj, None
+            hparams, stopped, finished = obj, None, False
+            continue
+        if line.startswith("final val_loss:"):  # the last line of a run that ended normally
+            finished = True
             continue
         m = RE_RUN_ID.match(line)
         if m:
@@ -155,9 +159,11 @@ def parse_log(path):
         raise LogError(f"{path}: no val_loss lines")
     if run_id is None:
         run_id = (hparams or {}).get("run_id") or os.path.splitext(os.path.basename(path))[0]
+    # two files with the same measurements are copies of one run, whatever their names
+    fingerprint = hashlib.sha256(json.dumps([hparams, val, train], sort_keys=True, default=str).encode()).hexdigest()
     return dict(path=str(path), run_id=str(run_id), hyperparameters=hparams or {},
-                val=val, train=train, diagnostics=diags, stopped=stopped,
-                peak_mem_mib=peak, reserved_mem_mib=reserved)
+                val=val, train=train, diagnostics=diags, stopped=stopped, finished=finished,
+                peak_mem_mib=peak, reserved_mem_mib=reserved, fingerprint=fingerprint)
 
 
 # ---------------------------------------------------------------------------
@@ -203,7 +209,7 @@ def summarize_run(log, target):
         final_val_loss=last["loss"], final_step=last["step"],
         final_time_ms=last["time_ms"], num_iterations=last["total"],
         steps=max(all_steps), train_time_ms=max(all_times),
-        stopped=log["stopped"], peak_mem_mib=log["peak_mem_mib"],
+        stopped=log["stopped"], peak_mem_mib=log["peak_mem_mib"], excluded=log.get("excluded"),
         last_diagnostics=log["diagnostics"][-1] if log["diagnostics"] else None,
         target=target, crossing=target_crossing(log["val"], target),
     )
@@ -355,16 +361,16 @@ def one_sided_ttest_below(xs, target):
     if n < 2:
         return None
     m, s = mean_std(xs)
-    if s == 0.0:
-        t = math.inf if m < target else (-math.inf if m > target else 0.0)
-        p = 0.0 if m < target else (1.0 if m > target else 0.5)
-        return dict(t=t, df=n - 1, p=p)
+    if s == 0.0:  # no spread: the test is undefined (identical runs are no evidence of anything)
+        return dict(t=None, df=n - 1, p=None)
     t = (target - m) / (s / math.sqrt(n))
     return dict(t=t, df=n - 1, p=students_t_sf(t, n - 1))
 
 
 def summarize_group(group, target):
-    runs = [summarize_run(log, target) for log in group["logs"]]
+    """Statistics over the group's counted runs: finished, and each run once (mark_excluded)."""
+    listed = [summarize_run(log, target) for log in group["logs"]]
+    runs = [r for r in listed if r["excluded"] is None]
     finals = [r["final_val_loss"] for r in runs]
     finite = [x for x in finals if math.isfinite(x)]
     fm, fs = mean_std(finite)
@@ -385,8 +391,22 @@ def summarize_group(group, target):
         interp_steps_to_target=ms("interp_step"),
         interp_time_ms_to_target=ms("interp_time_ms"),
         ttest=one_sided_ttest_below(finite, target),
-        runs=runs,
+        runs=listed, n_excluded=len(listed) - len(runs),
     )
+
+
+def mark_excluded(logs):
+    """Sets log["excluded"] to why a run must not count in a group's mean and test: it never ended (killed or
+    stopped: no final line), or it is a copy of an earlier file's run (the same measurements)."""
+    first = {}
+    for log in logs:
+        if not log.get("finished", True):
+            log["excluded"] = "incomplete: no final line" + (f" ({log['stopped']})" if log["stopped"] else "")
+        elif log["fingerprint"] in first:
+            log["excluded"] = f"copy of {first[log['fingerprint']]}"
+        else:
+            log["excluded"] = None
+            first[log["fingerprint"]] = log["path"]
 
 
 def find_reference(groups, spec):
@@ -423,12 +443,13 @@ def _ratio(a, b):
 
 def compare(logs, target=DEFAULT_TARGET, group_by=None, ignore=(), target_from=None):
     """Full analysis of parsed logs.  Returns a JSON-serialisable dict."""
+    mark_excluded(logs)
     groups = group_runs(logs, group_by=group_by, ignore=ignore)
     ref = None
     target_source = "fixed"
     if target_from:
         ref = find_reference(groups, target_from)
-        ref_final = [log["val"][-1]["loss"] for log in ref["logs"]]
+        ref_final = [log["val"][-1]["loss"] for log in ref["logs"] if log["excluded"] is None]
         m, _ = mean_std([x for x in ref_final if math.isfinite(x)])
         if m is None:
             raise ValueError(f"reference group {ref['label']!r} has no finite final val loss")
@@ -500,6 +521,8 @@ def _pm(d, spec=".4f", scale=1.0):
 def _p_str(tt):
     if tt is None:
         return "needs n>=2"
+    if tt["p"] is None:
+        return "no spread"
     p = tt["p"]
     mark = " *" if p < 0.01 else ""
     return (f"{p:.2e}" if p < 1e-3 else f"{p:.4f}") + mark
@@ -522,7 +545,7 @@ def format_report(result):
                 _f(c["time_ms"] / 1000.0, ".1f") if c else "-",
                 _f(c["interp_step"], ".1f") if c else "-",
                 _f(c["interp_time_ms"] / 1000.0, ".1f") if c else "-",
-                r["stopped"] or "",
+                r["excluded"] or r["stopped"] or "",
             ])
     out.append(format_table(
         ["group", "run_id", "seed", "final_val", "step", "time_s",
@@ -535,7 +558,8 @@ def format_report(result):
     rows = []
     for g in result["groups"]:
         row = [
-            g["label"], g["n"] if not g["n_nonfinite"] else f"{g['n']} ({g['n_nonfinite']} nan)",
+            g["label"], str(g["n"]) + (f" ({g['n_nonfinite']} nan)" if g["n_nonfinite"] else "")
+            + (f" (+{g['n_excluded']} excluded)" if g["n_excluded"] else ""),
             _pm(g["final_val_loss"]), _p_str(g["ttest"]),
             f"{g['n_reached']}/{g['n']}",
             _pm(g["steps_to_target"], ".1f"),
