@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -222,6 +223,8 @@ def check_args(a: Hyperparameters):
     need(a.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1")
     need(re.fullmatch(r"[\w.-]*", a.run_id) is not None and a.run_id not in (".", ".."),
          f"--run_id {a.run_id!r} must be a plain name (letters, digits, '.', '_', '-'): it names files")
+    need(len(a.run_id) <= 200, f"--run_id is {len(a.run_id)} characters: at most 200 (it names files)")
+    need(a.log_dir != "", "--log_dir must name a folder (default logs)")
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -1538,8 +1541,13 @@ def fp8_available(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _terminate(signum, frame):  # a scheduler's SIGTERM ends the run through the log's "stopped:" line
+    raise SystemExit(f"stopped by signal {signal.Signals(signum).name}")
+
+
 def main(argv=None):
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     if a.resume and not a.run_id:  # continue the checkpoint's own run: logs/<run_id>/state_stepN.pt
         a.run_id = os.path.basename(os.path.dirname(os.path.abspath(a.resume)))
     a.run_id = a.run_id or str(uuid.uuid4())
@@ -1571,7 +1579,10 @@ def main(argv=None):
     master = rank == 0
     log = Logger(a, master)
     try:
-        return train(a, log, rank, world_size, device)
+        code = train(a, log, rank, world_size, device)
+        if distributed:  # no rank tears its connections down while another still uses them (gloo aborted
+            dist.barrier()  # a finished job now and then: "terminate called without an active exception")
+        return code
     except (UsageError, DataError):
         if not log.started:  # refused before the first step: leave no trace in the logs
             log.undo()
