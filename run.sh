@@ -1,29 +1,70 @@
 #!/usr/bin/env bash
-# The one command. With GPUs: fetch the FineWeb shards that are missing, then train on every GPU with
-# torchrun. Without: build a real corpus offline (the Python standard library's own source, GPT-2 tokens)
-# and train the `cpu` preset. Arguments pass through to train_gpt_cplm.py, e.g. `bash run.sh --cplm 1`.
+# The one command.
+#   bash run.sh         GPUs: fetch the FineWeb shards that are missing, then torchrun the speedrun preset on every
+#                       GPU (arguments pass through: bash run.sh --cplm 1). No GPU: the CPU race, vanilla then CPLM
+#                       on the same offline corpus (the Python standard library's source in GPT-2 tokens) with the
+#                       same seed, then records/compare.py on the two logs (a table and a PNG).
+#   bash run.sh test    the test suite, CPU only.
+# Installs what is missing: torch only where none is installed (never replacing one: a GPU machine keeps its
+# build), then numpy, tiktoken, huggingface_hub (and pytest for the tests).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 
-# never install or replace torch here: a GPU machine's own CUDA build must stay
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    echo "run.sh: torch is not installed for $PYTHON; install the build for this machine (pytorch.org/get-started; e.g. pip install 'torch>=2.9'), then rerun" >&2
-    exit 1
+    if [ -n "${TORCH_PIP:-}" ]; then
+        echo "run.sh: torch is not installed: pip install $TORCH_PIP (from TORCH_PIP)"
+        # shellcheck disable=SC2086
+        "$PYTHON" -m pip install $TORCH_PIP
+    elif has_gpu; then
+        echo "run.sh: torch is not installed and a GPU is present: installing the default CUDA build (pip install torch," \
+             "about 3 GB). For another build: TORCH_PIP='torch --index-url https://download.pytorch.org/whl/cu126' bash run.sh"
+        "$PYTHON" -m pip install torch
+    else
+        echo "run.sh: torch is not installed and there is no GPU: installing the CPU build (about 200 MB, from" \
+             "download.pytorch.org/whl/cpu). For the default CUDA build instead (3 GB, also runs on a CPU): TORCH_PIP=torch bash run.sh"
+        if ! "$PYTHON" -m pip install torch --index-url https://download.pytorch.org/whl/cpu; then
+            echo "run.sh: the CPU index could not be reached: installing the default build (pip install torch)"
+            "$PYTHON" -m pip install torch
+        fi
+    fi
 fi
-if ! "$PYTHON" -c "import numpy, tiktoken, huggingface_hub" 2>/dev/null; then
-    echo "run.sh: installing numpy, tiktoken, huggingface_hub"
-    "$PYTHON" -m pip install -q numpy tiktoken huggingface_hub
+need=(numpy tiktoken huggingface_hub)
+if [ "${1:-}" = test ]; then need+=(pytest); elif ! has_gpu; then need+=(matplotlib); fi  # the race's plot
+missing=()
+for module in "${need[@]}"; do "$PYTHON" -c "import $module" 2>/dev/null || missing+=("$module"); done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "run.sh: installing ${missing[*]}"
+    "$PYTHON" -m pip install -q "${missing[@]}"
 fi
 
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-if [ "$gpus" -gt 0 ]; then
+if [ "${1:-}" = test ]; then  # -rs: each skipped test says why, and what enables it
+    shift
+    exec "$PYTHON" -m pytest -q -rs test_cplm.py test_inference.py test_mechanism.py test_gpu_preflight.py "$@"
+fi
+
+if has_gpu; then
+    gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
     "$PYTHON" data/cached_fineweb10B.py 10  # skips the shards already present
     exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$gpus" train_gpt_cplm.py "$@"
 fi
 
+# no GPU: the race on CPU
 if ! ls data/pystdlib/pystdlib_train_*.bin >/dev/null 2>&1; then
     # GPT-2 tokens; tiktoken fetches its files once (or reads TIKTOKEN_CACHE_DIR)
     "$PYTHON" data/tokenize_corpus.py --stdlib --out_dir data/pystdlib --name pystdlib
 fi
-exec "$PYTHON" train_gpt_cplm.py --preset cpu "$@"
+race=cpu_race_$(date +%Y%m%d_%H%M%S)
+echo "run.sh: the CPU race: vanilla, then CPLM (the cpu preset, seed 0; about 5 minutes each on 2 cores)"
+echo "run.sh: logs: logs/${race}_vanilla.txt and logs/${race}_cplm.txt; final checkpoints in logs/${race}_{vanilla,cplm}/"
+for mode in vanilla cplm; do
+    echo "run.sh: training $mode"
+    # one heap arena: freed (T, V) blocks are reused by every thread (peak memory; see experiments/cpu_memory.py)
+    MALLOC_ARENA_MAX=${MALLOC_ARENA_MAX:-1} "$PYTHON" train_gpt_cplm.py --preset cpu --cplm "$([ $mode = cplm ] && echo 1 || echo 0)" \
+        --run_id "${race}_$mode" --save_checkpoint 1 "$@"
+done
+echo
+exec "$PYTHON" records/compare.py "logs/${race}_vanilla.txt" "logs/${race}_cplm.txt" --target_from cplm=0 \
+    --plot "logs/${race}.png"

@@ -1449,6 +1449,22 @@ def test_single_run_ttest_needs_two():
     assert compare.one_sided_ttest_below([3.2, 3.2], 3.28)["p"] is None  # no spread: undefined, not p = 0
 
 
+def test_race_table_at_equal_steps_and_both_crossing_rules(tmp_path):
+    """Two groups side by side: mean val loss at the common steps, and the steps each needs to reach the
+    other's final loss by first crossing and by staying below (a curve that dips below and comes back up
+    crosses first at the dip, stays below only later)."""
+    write_log(tmp_path / "v.txt", "v", hp(0, cplm=0), [(0, 9.0, 0), (100, 5.0, 1), (200, 4.5, 2), (300, 4.0, 3)])
+    write_log(tmp_path / "c.txt", "c", hp(0), [(0, 9.0, 0), (100, 3.9, 1), (200, 4.2, 2), (300, 3.5, 3)])
+    result = compare.compare([compare.parse_log(tmp_path / f) for f in ("v.txt", "c.txt")])
+    rc = result["race"]
+    assert rc["steps"] == [0, 100, 200, 300]
+    pair = {(p["group"], p["other"]): p for p in rc["pairs"]}
+    assert (pair[("cplm=1", "cplm=0")]["first_crossing"], pair[("cplm=1", "cplm=0")]["stays_below"]) == (100, 300)
+    assert pair[("cplm=0", "cplm=1")]["first_crossing"] is None
+    report = compare.format_report(result)
+    assert "Val loss at equal steps" in report and "cplm=1 to cplm=0's 4.0000 (its step 300): 100 / 300" in report
+
+
 def test_killed_runs_and_copies_do_not_count(tmp_path):
     """A hostile tester's: compare.py counted a killed run and a copy of one log in the group's mean and
     t-test. They stay in the run table, marked, and out of the statistics."""
@@ -1884,30 +1900,54 @@ exit 0
 """
 
 
-def _run_sh(tmp_path, missing):
+def _run_sh(tmp_path, missing, *args):
     shutil.copy(Path(ROOT) / "run.sh", tmp_path / "run.sh")
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     log = tmp_path / "calls.txt"
-    r = subprocess.run(["bash", str(tmp_path / "run.sh"), "--cplm", "1"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "FAKE_MISSING": missing})
+    log.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "FAKE_MISSING": missing,
+           "PATH": str(tmp_path / "no_gpu") + ":" + os.environ["PATH"]}
+    (tmp_path / "no_gpu").mkdir(exist_ok=True)  # an nvidia-smi that finds no GPU, whatever the machine has
+    (tmp_path / "no_gpu" / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (tmp_path / "no_gpu" / "nvidia-smi").chmod(0o755)
+    r = subprocess.run(["bash", str(tmp_path / "run.sh"), *args], capture_output=True, text=True, timeout=60, env=env)
     return r, log.read_text().splitlines() if log.exists() else []
 
 
-def test_run_sh_without_torch_says_how_to_install_it(tmp_path):
-    r, calls = _run_sh(tmp_path, "torch")
-    assert r.returncode == 1
-    assert_one_line(r.stderr, "torch", "pip install")
-    assert not any("pip" in c for c in calls), "run.sh must never install torch (a GPU machine's CUDA build)"
-
-
-def test_run_sh_installs_other_packages_but_not_torch(tmp_path):
-    r, calls = _run_sh(tmp_path, "tiktoken")
+def test_run_sh_installs_the_cpu_torch_only_where_none_is_installed(tmp_path):
+    r, calls = _run_sh(tmp_path, "torch", "--num_iterations", "5")
     assert r.returncode == 0, r.stderr
     pip = [c for c in calls if c.startswith("-m pip")]
-    assert len(pip) == 1 and "tiktoken" in pip[0] and "torch" not in pip[0] and "requirements" not in pip[0]
-    assert calls[-1] == "train_gpt_cplm.py --preset cpu --cplm 1"  # the rest of run.sh is unchanged
+    assert pip[0] == "-m pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert "no GPU: installing the CPU build" in r.stdout and "TORCH_PIP=torch bash run.sh" in r.stdout
+    r, calls = _run_sh(tmp_path, "nothing")
+    assert not any("install torch" in c for c in calls), "a torch already there is never replaced"
+
+
+def test_run_sh_without_a_gpu_runs_the_race(tmp_path):
+    r, calls = _run_sh(tmp_path, "tiktoken", "--num_iterations", "5")
+    assert r.returncode == 0, r.stderr
+    pip = [c for c in calls if c.startswith("-m pip")]
+    assert len(pip) == 1 and "tiktoken" in pip[0] and "torch" not in pip[0]
+    train = [c for c in calls if c.startswith("train_gpt_cplm.py")]
+    assert [c.split("--cplm ")[1].split()[0] for c in train] == ["0", "1"]  # vanilla, then CPLM
+    assert all("--preset cpu" in c and "--save_checkpoint 1" in c and c.endswith("--num_iterations 5") for c in train)
+    race = re.search(r"--run_id (cpu_race_\d+_\d+)_vanilla", train[0]).group(1)
+    assert f"--run_id {race}_cplm" in train[1]
+    assert calls[-1] == (f"records/compare.py logs/{race}_vanilla.txt logs/{race}_cplm.txt --target_from cplm=0 "
+                         f"--plot logs/{race}.png")
+    assert f"logs/{race}_vanilla.txt and logs/{race}_cplm.txt" in r.stdout  # the logs named before training
+
+
+def test_run_sh_test_runs_every_test_file_and_shows_skip_reasons(tmp_path):
+    r, calls = _run_sh(tmp_path, "pytest", "test")
+    assert r.returncode == 0, r.stderr
+    assert [c for c in calls if c.startswith("-m pip")] == ["-m pip install -q pytest"]
+    pytest_call = calls[-1].split()
+    assert pytest_call[:4] == ["-m", "pytest", "-q", "-rs"]
+    assert sorted(pytest_call[4:]) == sorted(p.name for p in Path(ROOT).glob("test_*.py"))
 
 
 def test_requirements_state_the_need_and_ci_pins_the_cpu_build():
@@ -1918,10 +1958,10 @@ def test_requirements_state_the_need_and_ci_pins_the_cpu_build():
     ci = (Path(ROOT) / ".ci" / "run").read_text().strip().splitlines()
     install = [l for l in ci if "pip install" in l]
     assert len(install) == 1 and "-r requirements.txt" in install[0] and "-c .ci/constraints.txt" in install[0]
-    # CI runs exactly the README's test command, and that command runs every test file
-    readme_command = re.search(r"^(python3 -m pytest -q [^#\n]*?)\s*#", (Path(ROOT) / "README.md").read_text(), re.M)
-    assert readme_command and ci[-1] == readme_command.group(1)
-    assert sorted(ci[-1].split()[4:]) == sorted(p.name for p in Path(ROOT).glob("test_*.py"))
+    # README's first code block is exactly the two commands, and CI runs the second
+    block = re.search(r"```\n(.*?)```", (Path(ROOT) / "README.md").read_text(), re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+    assert commands == ["bash run.sh", "bash run.sh test"] and ci[-1] == "bash run.sh test"
 
 
 # ----------------------------------------------------------------------------------------------------

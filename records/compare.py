@@ -395,6 +395,34 @@ def summarize_group(group, target):
     )
 
 
+def mean_curve(group):
+    """{step: mean val loss} over the group's counted runs, at the steps every one of them validated."""
+    curves = [{v["step"]: v["loss"] for v in log["val"]} for log in group["logs"] if log["excluded"] is None]
+    if not curves:
+        return {}
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return {s: sum(c[s] for c in curves) / len(curves) for s in steps}
+
+
+def race(groups):
+    """The groups side by side: mean val loss at the steps all of them validated, and for each ordered pair the
+    steps one needs to reach the other's final loss, by first crossing and by staying below from then on."""
+    curves = {g["label"]: mean_curve(g) for g in groups}
+    common = sorted(set.intersection(*(set(c) for c in curves.values()))) if all(curves.values()) else []
+    pairs = []
+    for a, ca in curves.items():
+        for b, cb in curves.items():
+            if a == b or not ca or not cb:
+                continue
+            goal = cb[max(cb)]  # b's final (mean) val loss
+            steps = sorted(ca)
+            first = next((s for s in steps if ca[s] <= goal), None)
+            stays = next((s for i, s in enumerate(steps) if all(ca[t] <= goal for t in steps[i:])), None)
+            pairs.append(dict(group=a, other=b, other_final=goal, other_final_step=max(cb), first_crossing=first,
+                              stays_below=stays))
+    return dict(steps=common, curves={k: {s: c[s] for s in common} for k, c in curves.items()}, pairs=pairs)
+
+
 def mark_excluded(logs):
     """Sets log["excluded"] to why a run must not count in a group's mean and test: it never ended (killed or
     stopped: no final line), or it is a copy of an earlier file's run (the same measurements)."""
@@ -457,7 +485,7 @@ def compare(logs, target=DEFAULT_TARGET, group_by=None, ignore=(), target_from=N
         target_source = f"mean final val loss of {ref['label']!r}"
     summaries = [summarize_group(g, target) for g in groups]
     result = dict(target=target, target_source=target_source, groups=summaries,
-                  reference=None)
+                  reference=None, race=race(groups) if len(groups) > 1 else None)
     if ref is not None:
         rs = summaries[groups.index(ref)]
         ref_steps = rs["final_step"]["mean"]
@@ -585,6 +613,17 @@ def format_report(result):
             f"convergence ratio = mean interpolated steps (time) to reach {target:.4f} / "
             f"reference {ref['label']!r} mean final step {_f(ref['mean_final_step'], '.1f')} "
             f"(time {_f(ref['mean_final_time_ms'] / 1000.0, '.1f')} s); < 1 is faster")
+    if result.get("race") and result["race"]["steps"]:
+        rc = result["race"]
+        labels = list(rc["curves"])
+        out += ["", "Val loss at equal steps (mean over each group's counted runs)"]
+        out.append(format_table(["step"] + labels, [[s] + [_f(rc["curves"][k][s]) for k in labels] for s in rc["steps"]],
+                                align="r" * (len(labels) + 1)))
+        out += ["", "Steps to reach the other's final val loss (first crossing / staying below from then on)"]
+        for pr in rc["pairs"]:
+            out.append(f"  {pr['group']} to {pr['other']}'s {pr['other_final']:.4f} (its step {pr['other_final_step']}): "
+                       f"{pr['first_crossing'] if pr['first_crossing'] is not None else 'not reached'} / "
+                       f"{pr['stays_below'] if pr['stays_below'] is not None else 'not reached'}")
     return "\n".join(out)
 
 
