@@ -6,6 +6,7 @@ experiments/ (sample, needle, inference_memory, copy_picture) on tiny checkpoint
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import train_gpt_cplm as tg
+import inference
 
 ROOT = Path(__file__).resolve().parent
 VOCAB, BOS = 500, 499
@@ -51,7 +53,7 @@ def reference_generate(model, prompt, max_new_tokens, temperature, top_k, seed, 
     for _ in range(max_new_tokens):
         lp = model.next_token_log_probs(torch.tensor([ids]), window)[0, -1]
         log_probs.append(lp)
-        ids.append(tg.sample_next(lp, VOCAB, temperature, top_k, generator))
+        ids.append(inference.sample_next(lp, VOCAB, temperature, top_k, generator))
     return ids[len(prompt):], log_probs
 
 
@@ -67,7 +69,7 @@ def test_every_position_matches_the_reference(cplm, window):
     model = tiny_model(cplm)
     ids = two_documents()
     reference = model.next_token_log_probs(torch.tensor([ids]), window)[0]
-    cache = tg.InferenceCache(model, window, prefill_chunk=50)
+    cache = inference.InferenceCache(model, window, prefill_chunk=50)
     got, lo = [], 0
     for size in [1, 63, 131, 7] + [1] * (len(ids) - 202):
         got.append((lo + size - 1, cache.extend(ids[lo:lo + size])))
@@ -88,11 +90,11 @@ def test_generate_equals_the_reference_token_for_token(cplm, window):
     prompt = two_documents(n_second=230)
     for temperature, top_k, seed in [(0.0, 0, 0), (1.0, 0, 1), (0.8, 20, 2)]:
         want, want_log_probs = reference_generate(model, prompt, 20, temperature, top_k, seed, window)
-        cache = tg.InferenceCache(model, window, prefill_chunk=100)
-        got = tg.generate(model, prompt, 20, temperature, top_k, seed, window_blocks=window, cache=cache)
+        cache = inference.InferenceCache(model, window, prefill_chunk=100)
+        got = inference.generate(model, prompt, 20, temperature, top_k, seed, window_blocks=window, cache=cache)
         assert got == want, (temperature, top_k)
         assert cache.end == len(prompt) + 19  # the last token is drawn, never fed
-        cache = tg.InferenceCache(model, window)  # the same path, step by step: its log-probs
+        cache = inference.InferenceCache(model, window)  # the same path, step by step: its log-probs
         lp = cache.extend(prompt)
         for step, (token, ref) in enumerate(zip(want, want_log_probs)):
             finite = torch.isfinite(ref)
@@ -107,7 +109,7 @@ def test_caches_hold_only_what_a_later_token_can_see():
     from its BOS; a new BOS drops the document before it."""
     model = tiny_model(1)
     ids = two_documents()  # second document: positions 71..361
-    cache = tg.InferenceCache(model, WINDOW)
+    cache = inference.InferenceCache(model, WINDOW)
     cache.extend(ids)
     lengths = [None if kv is None else kv[0].size(1) for kv in cache.kv]
     end = len(ids)
@@ -115,7 +117,7 @@ def test_caches_hold_only_what_a_later_token_can_see():
     long_from, short_from = (end // 128 - WINDOW + 1) * 128, (end // 128) * 128
     assert lengths == [end - long_from, end - short_from, None, end - long_from]
     assert cache.cp_keys.shape == (1, end - 71, 16) and cache.cp_ids[0].tolist() == ids[71:]
-    full = tg.InferenceCache(model, None)
+    full = inference.InferenceCache(model, None)
     full.extend(ids)
     assert [None if kv is None else kv[0].size(1) for kv in full.kv] == [end - 71, end - 71, None, end - 71]
     full.extend([5, BOS, 7, 8])
@@ -132,30 +134,30 @@ def test_sampler_draws_the_distribution_it_is_given():
     log_p[:5] = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]).log()
     log_p[6] = math.log(0.5)  # a padding slot with mass: must never be drawn (vocab_size 6)
     g = torch.Generator().manual_seed(0)
-    draws = [tg.sample_next(log_p, 6, 1.0, 0, g) for _ in range(4000)]
+    draws = [inference.sample_next(log_p, 6, 1.0, 0, g) for _ in range(4000)]
     freq = np.bincount(draws, minlength=8) / len(draws)
     assert freq[5:].sum() == 0
     np.testing.assert_allclose(freq[:5], [0.4, 0.3, 0.15, 0.1, 0.05], atol=0.03)
-    hot = np.bincount([tg.sample_next(log_p, 6, 0.5, 2, g) for _ in range(2000)], minlength=8) / 2000
+    hot = np.bincount([inference.sample_next(log_p, 6, 0.5, 2, g) for _ in range(2000)], minlength=8) / 2000
     np.testing.assert_allclose(hot[:2], [0.16 / 0.25, 0.09 / 0.25], atol=0.04)  # p^2 over the top 2
     assert hot[2:].sum() == 0
-    assert tg.sample_next(log_p, 6, 0.0) == 0 and tg.sample_next(log_p, 6, 1.0, 1, g) == 0
+    assert inference.sample_next(log_p, 6, 0.0) == 0 and inference.sample_next(log_p, 6, 1.0, 1, g) == 0
 
 
 def test_generate_refuses_what_it_cannot_do():
     model = tiny_model(0, max_seq_len=256)
     with pytest.raises(ValueError, match="max_seq_len"):
-        tg.generate(model, two_documents(), 4)
+        inference.generate(model, two_documents(), 4)
     with pytest.raises(ValueError, match="257 positions exceed"):  # checked before any work
-        tg.generate(model, [BOS] * 200, 58)
-    assert len(tg.generate(model, [BOS] * 200, 57)) == 57
+        inference.generate(model, [BOS] * 200, 58)
+    assert len(inference.generate(model, [BOS] * 200, 57)) == 57
     with pytest.raises(ValueError, match="window_blocks must be >= 1"):
-        tg.generate(model, [BOS, 1], 4, window_blocks=0)
+        inference.generate(model, [BOS, 1], 4, window_blocks=0)
     with pytest.raises(ValueError, match="temperature"):
-        tg.generate(model, [BOS, 1], 4, temperature=-1)
+        inference.generate(model, [BOS, 1], 4, temperature=-1)
     with pytest.raises(ValueError, match="at least one token"):
-        tg.generate(model, [], 4)
-    assert tg.generate(model, [BOS, 1, 2], 0) == []
+        inference.generate(model, [], 4)
+    assert inference.generate(model, [BOS, 1, 2], 0) == []
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -244,24 +246,24 @@ def assert_one_line(stderr, *words):
 
 def test_load_model_gives_back_the_saved_model_and_refuses_bad_files(checkpoints, tmp_path):
     path, saved = checkpoints[1]
-    model, a, step = tg.load_model(str(path), max_seq_len=1000)
+    model, a, step = inference.load_model(str(path), max_seq_len=1000)
     assert step == 10 and a.cplm == 1 and a.run_id == "tiny1" and model.config.max_seq_len == tg.next_multiple(1000, 1)
     ids = torch.tensor([[BYTES_BOS] + list(b"copy this, copy this")])
     torch.testing.assert_close(model.next_token_log_probs(ids), saved.eval().next_token_log_probs(ids))
     with pytest.raises(tg.DataError, match="no such checkpoint"):
-        tg.load_model(str(tmp_path / "missing.pt"))
+        inference.load_model(str(tmp_path / "missing.pt"))
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(tg.DataError, match="not a readable checkpoint"):
-        tg.load_model(str(tmp_path / "garbage.pt"))
+        inference.load_model(str(tmp_path / "garbage.pt"))
     state = torch.load(path, weights_only=True)  # what save_checkpoint writes loads without running any code
     # a file that would run code when unpickled (any object but tensors and plain containers) is refused
     torch.save({**state, "extra": PickledObject()}, tmp_path / "code.pt")
     with pytest.raises(tg.DataError, match="not a readable checkpoint.*Unpickl"):
-        tg.load_model(str(tmp_path / "code.pt"))
+        inference.load_model(str(tmp_path / "code.pt"))
     state["hyperparameters"]["model_dim"] = 64
     torch.save(state, tmp_path / "other_shape.pt")
     with pytest.raises(tg.DataError, match="do not fit"):
-        tg.load_model(str(tmp_path / "other_shape.pt"))
+        inference.load_model(str(tmp_path / "other_shape.pt"))
 
 
 class PickledObject:
@@ -307,7 +309,7 @@ def test_sample_prints_the_prompt_and_generates_continuation(checkpoints, capsys
     r = run_script("sample", path, "--prompt", "The river", "--max_new_tokens", 12, "--temperature", 0, capsys=capsys)
     assert r.returncode == 0, r.stderr
     prompt = [BYTES_BOS] + list(b"The river")
-    new = tg.generate(model, prompt, 12, temperature=0.0, window_blocks=tg.window_blocks(10, tg.Hyperparameters(
+    new = inference.generate(model, prompt, 12, temperature=0.0, window_blocks=tg.window_blocks(10, tg.Hyperparameters(
         attn_window=256, attn_window_start=256, num_iterations=20)))
     new = new[:new.index(BYTES_BOS)] if BYTES_BOS in new else new
     assert r.stdout == "The river" + bytes(new).decode("utf-8", errors="replace") + "\n"
@@ -371,14 +373,14 @@ def test_needle_cli_writes_table_json_and_heat_map(checkpoints, tmp_path, monkey
         assert (tmp_path / "tiny0_step10_trained.png").read_bytes()[:4] == b"\x89PNG"
     # scoring: a model that always answers with the needle scores 100, one that answers another number 0
     needle = _load("needle")
-    model, a, step = tg.load_model(str(path), max_seq_len=256)
+    model, a, step = inference.load_model(str(path), max_seq_len=256)
     codec = _load("codec").byte_codec()
     for answer, expect in [(lambda ids: ids[-50:], 1.0), (lambda ids: list(b" 1234567"), 0.0)]:
         def fake_generate(model, ids, n, temperature, window_blocks, cache=None, answer=answer):
             text = codec.decode(ids)
             number = text[text.index("magic number is ") + 16:][:7]
             return list(f" {number}".encode()) if expect else answer(ids)
-        monkeypatch.setattr(needle.tg, "generate", fake_generate)
+        monkeypatch.setattr(needle.inference, "generate", fake_generate)
         results = needle.run(model, codec, a, step, [160], 1, 0, "trained", a.val_files, log=lambda *_: None)
         assert np.mean([r["correct"] for r in results]) == expect
     r = run_script("needle", path, "--contexts", "12x", capsys=capsys)
@@ -414,9 +416,9 @@ def test_needle_probe_reads_the_gate_and_the_pointer_as_the_dense_reference_does
     needle = _load("needle")
     model = tiny_model(1)
     ids = [BOS] + np.random.default_rng(1).integers(0, 40, 300).tolist()
-    cache = tg.InferenceCache(model, 1)
+    cache = inference.InferenceCache(model, 1)
     with needle.AnswerProbe(model) as probe:
-        tg.generate(model, ids, 3, temperature=0.0, window_blocks=1, cache=cache)
+        inference.generate(model, ids, 3, temperature=0.0, window_blocks=1, cache=cache)
     positions, answer = [5, 17, 200], [i for i, t in enumerate(ids) if t == ids[17]]
     got = probe.read(cache, len(ids), positions, answer)
     with torch.no_grad():
@@ -511,3 +513,16 @@ def test_copy_picture_cli_writes_html_and_png(checkpoints, tmp_path, capsys):
     r = run_script("copy_picture", checkpoints[1][0], "--text", tmp_path / "none.txt", capsys=capsys)
     assert r.returncode == 1
     assert_one_line(r.stderr, "none.txt")
+
+
+def test_training_script_has_no_generation_and_readme_lists_its_sections():
+    """Generation lives in inference.py; README's table of the script's sections matches its ruler comments."""
+    source = (ROOT / "train_gpt_cplm.py").read_text()
+    for name in ("class InferenceCache", "def generate(", "def sample_next(", "def load_model(", "def layer_windows("):
+        assert name not in source and name in (ROOT / "inference.py").read_text()
+    lines = source.splitlines()
+    rulers = [i for i, line in enumerate(lines) if line.startswith("# ----")] + [len(lines)]
+    expected = [(lines[i + 1].lstrip("# ").strip(), f"{i + 1}-{j}") for i, j in zip(rulers, rulers[1:])]
+    readme = (ROOT / "README.md").read_text()
+    listed = re.findall(r"^\| (.+?) \| (\d+-\d+) \|$", readme, re.M)
+    assert listed == expected

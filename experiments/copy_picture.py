@@ -29,6 +29,7 @@ from cli import OneLineParser  # experiments/cli.py: also puts the repository ro
 from codec import CodecError, codec_for
 
 import train_gpt_cplm as tg  # noqa: E402
+import inference  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -145,7 +146,7 @@ def render_png(trace, path, title):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        model, a, step = tg.load_model(args.checkpoint, max_seq_len=args.max_tokens)
+        model, a, step = inference.load_model(args.checkpoint, max_seq_len=args.max_tokens)
         if not a.cplm:
             print(f"copy_picture.py: error: {args.checkpoint} is a vanilla checkpoint: it has no CP head "
                   "(pass one trained with --cplm 1)", file=sys.stderr)

@@ -22,6 +22,7 @@ import torch
 from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
 
 import train_gpt_cplm as tg  # noqa: E402
+import inference  # noqa: E402
 
 GATE_EDGES = (0.0, 0.01, 0.1, 0.5, 1.0)  # c_t buckets: closed, nearly closed, partly open, mostly open
 
@@ -108,7 +109,7 @@ def main(argv=None):
     tables = []
     try:
         for v_path, c_path in pairs:
-            (vanilla, va, _), (cplm, ca, _) = tg.load_model(v_path), tg.load_model(c_path)
+            (vanilla, va, _), (cplm, ca, _) = inference.load_model(v_path), inference.load_model(c_path)
             if va.cplm or not ca.cplm:
                 raise tg.DataError(f"--pair {v_path}:{c_path}: the first must be a vanilla checkpoint, the second "
                                    "a CPLM one")

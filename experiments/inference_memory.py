@@ -33,6 +33,7 @@ import torch
 from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
 
 import train_gpt_cplm as tg  # noqa: E402
+import inference  # noqa: E402
 
 BF16_BYTES, ID_BYTES = 2, 4
 # (name, cplm, window in blocks of the long layers; None: full attention)
@@ -77,7 +78,7 @@ def measured_bytes(config: tg.GPTConfig, window, context, device, prefill_chunk=
         if isinstance(module, torch.nn.Embedding):
             module.bfloat16()
     ids = [config.bos_id] + torch.randint(0, config.vocab_size - 1, (context - 1,)).tolist()
-    cache = tg.InferenceCache(model.eval(), window, prefill_chunk=prefill_chunk)
+    cache = inference.InferenceCache(model.eval(), window, prefill_chunk=prefill_chunk)
     cache.extend(ids)
     return cache.nbytes()
 

@@ -104,6 +104,7 @@ import torch.nn.functional as F
 from cli import ROOT, OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
 
 import train_gpt_cplm as tg  # noqa: E402
+import inference  # noqa: E402
 
 BUCKETS = ("early", "middle", "late")
 SCORES = ("prefix", "previous", "copying")  # induction: the per-head scores
@@ -153,7 +154,7 @@ def expand_checkpoints(paths, step0):
         run = []
         for path in files:
             try:
-                hp, step, _ = tg.read_model_checkpoint(path, mmap=True)  # mmap: the weights are not read here
+                hp, step, _ = inference.read_model_checkpoint(path, mmap=True)  # mmap: the weights are not read here
             except tg.DataError as e:  # a bad checkpoint is a bad argument here: exit 2, as documented
                 raise CheckpointError(str(e))
             run.append(Entry(hp.run_id or os.path.basename(os.path.dirname(os.path.abspath(path))), step, hp, path))
@@ -178,7 +179,7 @@ def build_model(entry: Entry):
         model = tg.GPT(tg.GPTConfig.from_args(entry.hp)).eval()
     else:
         try:
-            model = tg.load_model(entry.path)[0]
+            model = inference.load_model(entry.path)[0]
         except tg.DataError as e:
             raise CheckpointError(str(e))
     model.attention_backend = model.cp_backend = "dense"  # FlexAttention only where it is compiled for CUDA

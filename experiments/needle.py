@@ -38,6 +38,7 @@ from cli import OneLineParser  # experiments/cli.py: also puts the repository ro
 from codec import CodecError, codec_for
 
 import train_gpt_cplm as tg  # noqa: E402
+import inference  # noqa: E402
 
 NEEDLE = " The magic number is {}."
 CUE = " What is the magic number? The magic number is"
@@ -168,9 +169,9 @@ def run(model, codec, a, step, contexts, trials, seed, attention, val_files, log
             for trial in range(trials):
                 rng = random.Random(f"{seed}-{context}-{d}-{trial}")
                 ids, number, needle_at = haystack(sentences, codec, a.bos_id, context, depth, rng)
-                cache = tg.InferenceCache(model, window)
+                cache = inference.InferenceCache(model, window)
                 with AnswerProbe(model) if model.cp_head is not None else contextlib.nullcontext() as probe:
-                    new = tg.generate(model, ids, len(codec.encode(" " + number)) + 1, temperature=0.0,
+                    new = inference.generate(model, ids, len(codec.encode(" " + number)) + 1, temperature=0.0,
                                       window_blocks=window, cache=cache)
                 answer = codec.decode(new)
                 results.append(dict(context=context, depth=round(depth, 4), trial=trial, tokens=len(ids), number=number,
@@ -249,9 +250,9 @@ def main(argv=None):
         print(f"needle.py: error: --out {args.out}: cannot write results there ({e.strerror})", file=sys.stderr)
         return 1
     try:
-        _, a, step = tg.load_model(args.checkpoint)
+        _, a, step = inference.load_model(args.checkpoint)
         contexts = args.contexts or [m * a.seq_len for m in (1, 2, 4, 8, 16)]
-        model, a, step = tg.load_model(args.checkpoint, max_seq_len=tg.next_multiple(max(contexts) + 16, tg.BLOCK))
+        model, a, step = inference.load_model(args.checkpoint, max_seq_len=tg.next_multiple(max(contexts) + 16, tg.BLOCK))
         codec = codec_for(a, args.tokenizer)
         val_files = args.val_files or a.val_files
         results = run(model, codec, a, step, contexts, args.trials, args.seed, args.attention, val_files)

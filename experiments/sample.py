@@ -19,6 +19,7 @@ from cli import OneLineParser  # experiments/cli.py: also puts the repository ro
 from codec import CodecError, codec_for
 
 import train_gpt_cplm as tg  # noqa: E402
+import inference  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -50,11 +51,11 @@ def inference_window(a: tg.Hyperparameters, step, attention):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        model, a, step = tg.load_model(args.checkpoint)
+        model, a, step = inference.load_model(args.checkpoint)
         codec = codec_for(a, args.tokenizer)
         prompt = [a.bos_id] + codec.encode(args.prompt)
         if len(prompt) + args.max_new_tokens > model.config.max_seq_len:  # room in the rotary table
-            model, a, step = tg.load_model(args.checkpoint, max_seq_len=len(prompt) + args.max_new_tokens)
+            model, a, step = inference.load_model(args.checkpoint, max_seq_len=len(prompt) + args.max_new_tokens)
     except (tg.DataError, CodecError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 1
@@ -65,7 +66,7 @@ def main(argv=None):
 
 def generate_until_bos(model, prompt, args, window):
     """generate's tokens up to the first BOS (the end of the document the prompt began)."""
-    new = tg.generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, window_blocks=window)
+    new = inference.generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, window_blocks=window)
     bos = model.config.bos_id
     return new[:new.index(bos)] if bos in new else new
 
