@@ -31,8 +31,9 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
         fi
     fi
 fi
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")  # GPUs this torch can use
 need=(numpy tiktoken huggingface_hub)
-if [ "${1:-}" = test ]; then need+=(pytest); elif ! has_gpu; then need+=(matplotlib); fi  # the race's plot
+if [ "${1:-}" = test ]; then need+=(pytest); elif [ "$gpus" -eq 0 ]; then need+=(matplotlib); fi  # the race's plot
 missing=()
 for module in "${need[@]}"; do "$PYTHON" -c "import $module" 2>/dev/null || missing+=("$module"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -45,8 +46,7 @@ if [ "${1:-}" = test ]; then  # -rs: each skipped test says why, and what enable
     exec "$PYTHON" -m pytest -q -rs test_cplm.py test_inference.py test_mechanism.py test_gpu_preflight.py "$@"
 fi
 
-if has_gpu; then
-    gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -gt 0 ]; then  # (a CPU build of torch on a GPU machine runs the race)
     "$PYTHON" data/cached_fineweb10B.py 10  # skips the shards already present
     exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$gpus" train_gpt_cplm.py "$@"
 fi
@@ -56,7 +56,7 @@ if ! ls data/pystdlib/pystdlib_train_*.bin >/dev/null 2>&1; then
     # GPT-2 tokens; tiktoken fetches its files once (or reads TIKTOKEN_CACHE_DIR)
     "$PYTHON" data/tokenize_corpus.py --stdlib --out_dir data/pystdlib --name pystdlib
 fi
-race=cpu_race_$(date +%Y%m%d_%H%M%S)
+race=cpu_race_$(date +%Y%m%d_%H%M%S)_$$
 echo "run.sh: the CPU race: vanilla, then CPLM (the cpu preset, seed 0; about 5 minutes each on 2 cores)"
 echo "run.sh: logs: logs/${race}_vanilla.txt and logs/${race}_cplm.txt; final checkpoints in logs/${race}_{vanilla,cplm}/"
 for mode in vanilla cplm; do

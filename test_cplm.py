@@ -750,7 +750,10 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     saved_ms = torch.load(ckpt, weights_only=False)["training_time_ms"]
     assert abs(saved_ms - logged_ms) < 200 and saved_ms > 0  # the clock at the checkpoint, not at the last val
     (tmp_path / "full" / "state_step000009.pt.tmp").write_bytes(b"half a checkpoint")
-    resumed = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt))  # continues run "full"
+    # step 6's checkpoint is there: resuming from step 5 would replace it, so that needs --overwrite 1
+    refused = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt))
+    assert refused.returncode == 2 and "holds checkpoints after this one (state_step000006.pt)" in refused.stderr
+    resumed = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt, overwrite=1))  # continues run "full"
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     log = (tmp_path / "full.txt").read_text()
     assert log.count("def main(argv=None)") == 1 and "resumed from" in log  # one log, a section appended
@@ -819,7 +822,7 @@ def test_nothing_is_replaced_unless_asked_and_started(toy_data, tmp_path):
     # preset's 200; a changed setting is applied and listed
     args = tiny_flags(toy_data, tmp_path, run_id="", resume=a_ckpt)
     i = args.index("--num_iterations")
-    r = run_cli(args[:i] + args[i + 2:] + ["--logit_softcap", "20"])
+    r = run_cli(args[:i] + args[i + 2:] + ["--logit_softcap", "20", "--overwrite", "1"])  # step 6's is replaced
     assert r.returncode == 0, r.stderr[-2000:]
     log = log_of("a").decode()
     assert "continuing at step 4" in log and "changed on the command line: --logit_softcap 15.0 -> 20.0" in log
@@ -1934,7 +1937,7 @@ def test_run_sh_without_a_gpu_runs_the_race(tmp_path):
     train = [c for c in calls if c.startswith("train_gpt_cplm.py")]
     assert [c.split("--cplm ")[1].split()[0] for c in train] == ["0", "1"]  # vanilla, then CPLM
     assert all("--preset cpu" in c and "--save_checkpoint 1" in c and c.endswith("--num_iterations 5") for c in train)
-    race = re.search(r"--run_id (cpu_race_\d+_\d+)_vanilla", train[0]).group(1)
+    race = re.search(r"--run_id (cpu_race_\d+_\d+_\d+)_vanilla", train[0]).group(1)
     assert f"--run_id {race}_cplm" in train[1]
     assert calls[-1] == (f"records/compare.py logs/{race}_vanilla.txt logs/{race}_cplm.txt --target_from cplm=0 "
                          f"--plot logs/{race}.png")

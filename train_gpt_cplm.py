@@ -1145,6 +1145,7 @@ class Logger:
     def __init__(self, a: Hyperparameters, master: bool):
         self.path = log_path(a) if master else None
         self.run_folder = os.path.join(a.log_dir, a.run_id)
+        self.resume_folder = os.path.realpath(os.path.dirname(a.resume)) if a.resume else None
         self.started = False
         self.size_before = None  # appending: the log's size before this run
         self.writing = self.path  # where lines go: the log itself, or the temporary file until start()
@@ -1171,14 +1172,28 @@ class Logger:
                 f.write(line + "\n")
 
     def start(self, overwrite=False):
-        """The run has really started: its log takes the run_id's name; --overwrite drops the old checkpoints."""
+        """The run has really started (its first step is next): its log takes the run_id's name, then, with
+        --overwrite, the old run's checkpoints go (never those of the folder being resumed from)."""
         self.started = True
         if self.path and self.writing != self.path:
-            if overwrite and os.path.isdir(self.run_folder):
-                for old in glob.glob(os.path.join(self.run_folder, "state_step*.pt")):
-                    os.remove(old)
-            os.replace(self.writing, self.path)
+            if overwrite:
+                os.replace(self.writing, self.path)
+            else:  # a link fails if another process took the name meanwhile: nothing is clobbered silently
+                try:
+                    os.link(self.writing, self.path)
+                except FileExistsError:
+                    raise UsageError(f"{self.path} appeared while this run was starting (another run with this "
+                                     f"--run_id?); this run's log is {self.writing}")
+                os.remove(self.writing)
             self.writing = self.path
+            if overwrite and os.path.isdir(self.run_folder) and os.path.realpath(self.run_folder) != self.resume_folder:
+                for old in glob.glob(os.path.join(glob.escape(self.run_folder), "state_step*.pt")):
+                    os.remove(old)
+
+    def promote(self):
+        """A start that failed unexpectedly keeps its log under the run_id's name when no earlier run has it."""
+        if self.path and self.writing != self.path and os.path.exists(self.writing) and not os.path.exists(self.path):
+            os.replace(self.writing, self.path)
 
     def undo(self):
         if not self.path:
@@ -1197,7 +1212,7 @@ def log_path(a: Hyperparameters):
 def continues_own_run(a: Hyperparameters):
     """--resume of a checkpoint in logs/<run_id>/ continues that run; from anywhere else it starts a new run
     (run_id) from the checkpoint's state."""
-    return bool(a.resume) and os.path.abspath(os.path.dirname(a.resume)) == os.path.abspath(
+    return bool(a.resume) and os.path.realpath(os.path.dirname(a.resume)) == os.path.realpath(
         os.path.join(a.log_dir, a.run_id))
 
 
@@ -1217,8 +1232,21 @@ def check_log_target(a: Hyperparameters):
     if os.path.exists(log_path(a)) and not continues_own_run(a) and not a.overwrite:
         raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume of one of its "
                          "own checkpoints, or replace it with --overwrite 1")
-    for stale in glob.glob(os.path.join(a.log_dir, f".{glob.escape(a.run_id)}.txt.starting*")):
-        os.remove(stale)  # the temporary log of a run killed before it started
+    for stale in glob.glob(os.path.join(glob.escape(a.log_dir), f".{glob.escape(a.run_id)}.txt.starting*")):
+        pid = stale.rsplit("starting", 1)[1]
+        try:
+            os.kill(int(pid), 0)  # a live process's: leave it
+        except (ValueError, ProcessLookupError):
+            os.remove(stale)  # the temporary log of a run killed before it started
+        except PermissionError:
+            pass
+    if continues_own_run(a) and not a.overwrite:  # resuming from an earlier checkpoint would overwrite later ones
+        step = re.search(r"state_step(\d+)\.pt$", a.resume)
+        later = [f for f in glob.glob(os.path.join(glob.escape(os.path.dirname(a.resume)), "state_step*.pt"))
+                 if step and re.search(r"state_step(\d+)\.pt$", f) and int(re.search(r"(\d+)\.pt$", f)[1]) > int(step[1])]
+        if later:
+            raise UsageError(f"{os.path.dirname(a.resume)} holds checkpoints after this one ({os.path.basename(sorted(later)[-1])}): "
+                             "resuming from here would replace them; resume the newest, or pass --overwrite 1 to branch")
 
 
 def environment_lines(device, world_size):
@@ -1279,7 +1307,7 @@ def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
                  loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a))
-    state["digest"] = tensor_digest([state["model"], state["optimizers"]])
+    state["digest"] = tensor_digest([state["model"], state["optimizers"], checkpoint_scalars(state)])
     try:
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -1316,6 +1344,13 @@ def tensor_digest(obj) -> str:
     return h.hexdigest()
 
 
+def checkpoint_scalars(state):
+    """What the digest covers beside the tensors: step, clock, loader and settings, as one byte tensor."""
+    text = json.dumps([state["step"], state["training_time_ms"], state["loader"], state["hyperparameters"]],
+                      sort_keys=True, default=str)
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
 def read_checkpoint(a: Hyperparameters, device):
     """The checkpoint to resume from, refused in one line when it is unreadable or its bytes changed since it
     was saved (checkpoints written before the digest existed are read unverified)."""
@@ -1328,7 +1363,7 @@ def read_checkpoint(a: Hyperparameters, device):
     except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
         raise DataError(f"--resume {a.resume}: not a readable checkpoint of this script "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
-    if "digest" in state and tensor_digest([state["model"], state["optimizers"]]) != state["digest"]:
+    if "digest" in state and tensor_digest([state["model"], state["optimizers"], checkpoint_scalars(state)]) != state["digest"]:
         raise DataError(f"--resume {a.resume}: its tensors do not match the digest saved with them: the file is "
                         "corrupted; resume from an earlier checkpoint")
     return state
@@ -1379,6 +1414,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, _terminate)
     if a.resume and not a.run_id:  # continue the checkpoint's own run: logs/<run_id>/state_stepN.pt
         a.run_id = os.path.basename(os.path.dirname(os.path.abspath(a.resume)))
+        check_args(a)
     a.run_id = a.run_id or str(uuid.uuid4())
     # distributed set-up: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
     distributed = "WORLD_SIZE" in os.environ
@@ -1420,6 +1456,9 @@ def main(argv=None):
         raise
     except BaseException as e:  # the log ends with why it stopped
         log(f"stopped: {type(e).__name__}: {e}", console=False)
+        if not log.started:
+            log.promote()
+            log.undo()  # an earlier run's log stays as it was
         raise
     finally:
         if distributed:
@@ -1436,6 +1475,10 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     if a.resume:  # a resumed run continues with its checkpoint's settings; flags given now win, each one listed
         checkpoint = read_checkpoint(a, device)
         a, changed = settings_on_resume(a, checkpoint["hyperparameters"])
+        check_args(a)  # the merged settings must make a run here too (another world size, another device)
+        if (a.batch_size // a.seq_len) % world_size:
+            raise UsageError(f"the checkpoint's --batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not "
+                             f"divisible by {world_size} processes: pass --batch_size")
     # data first: every shard is checked (header, size, token ids) before any model is built
     a = resolve_vocabulary(a)
     loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size)
@@ -1453,7 +1496,6 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         log(f"nothing to train: the checkpoint is at step {checkpoint['step']}, --num_iterations is {a.num_iterations}")
         return 0
     log(f"hyperparameters: {json.dumps(dataclasses.asdict(a))}")
-    log.start(overwrite=bool(a.overwrite))  # from here on, a failure is part of the run's story
 
     fp8_head = a.fp8_head == 1 or (a.fp8_head == -1 and fp8_available(device))
     if a.fp8_head == -1 and device.type == "cuda" and not fp8_head:
@@ -1558,6 +1600,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    log.start(overwrite=bool(a.overwrite))  # the run really starts: its log (and checkpoints) are now its own
     gpu_turn = None
     if os.environ.get("CPLM_GPU_TURN"):  # records/gpu/first_call.py: jobs compile side by side, time in turn
         import fcntl

@@ -49,9 +49,20 @@ def step_time(args):
               "vanilla_median_ms": 1000 * statistics.median(times[0]), "cplm_median_ms": 1000 * statistics.median(times[1]),
               "vanilla_ms": [round(1000 * t, 1) for t in times[0]], "cplm_ms": [round(1000 * t, 1) for t in times[1]]}
     result["ratio"] = result["cplm_median_ms"] / result["vanilla_median_ms"]
+    # the per-step ratio (CPLM's step over vanilla's in the same pair of steps): its spread says how stable it is
+    pair_ratios = sorted(c / v for v, c in zip(times[0], times[1]))
+    result["pair_ratio_quartiles"] = [round(statistics.quantiles(pair_ratios, n=4)[i], 3) for i in (0, 2)]
+
+    def spread(ms):
+        q = statistics.quantiles(ms, n=4)
+        return f"median {statistics.median(ms):.0f} ms, quartiles {q[0]:.0f}-{q[2]:.0f}, range {min(ms):.0f}-{max(ms):.0f}"
     print(json.dumps(result))
+    print(f"train files: {hp.train_files}")
+    print(f"vanilla: {spread([1000 * t for t in times[0]])}")
+    print(f"cplm:    {spread([1000 * t for t in times[1]])}")
     print(f"cpu preset step time: vanilla {result['vanilla_median_ms']:.0f} ms, cplm {result['cplm_median_ms']:.0f} ms "
-          f"(medians of {args.steps}); cplm/vanilla = {result['ratio']:.3f}")
+          f"(medians of {args.steps}); cplm/vanilla = {result['ratio']:.3f} (per-pair ratio quartiles "
+          f"{result['pair_ratio_quartiles'][0]:.3f}-{result['pair_ratio_quartiles'][1]:.3f})")
 
 
 def parameters(args):

@@ -148,6 +148,8 @@ def parse_log(path):
         m = RE_STOPPED.match(line)
         if m:
             stopped = m.group(1).strip() or "stopped"
+            # a run that diverged ended on its own (a non-finite loss): it counts, with that loss
+            finished = finished or bool(re.match(r"(val|train)_loss is (nan|inf|-inf)", stopped))
             continue
         m = RE_PEAK_MEM.match(line)
         if m:
