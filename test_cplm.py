@@ -569,14 +569,8 @@ def test_cuda_path_traces_as_one_graph(cplm, monkeypatch):
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=2, max_seq_len=512,
-                       no_attention_layer=2, fp8_head=1, cplm=cplm)
-    model = tg.GPT(cfg)
-    model.attention_backend = model.cp_backend = "flex"
-    for m in model.modules():  # as on CUDA: bf16 embeddings make the activations bf16
-        if isinstance(m, torch.nn.Embedding):
-            m.bfloat16()
+    from test_gpu_preflight import gpu_path_model  # the CUDA path's model: flex, FP8 head, bf16 embeddings
+    model = gpu_path_model(cplm)
     from torch._dynamo.testing import CompileCounterWithBackend
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=counter)
@@ -1122,12 +1116,15 @@ def test_version2_when_ids_exceed_uint16(tmp_path):
         tc.read_shard_header(p)
 
 
-@pytest.mark.skipif(not os.environ.get("TIKTOKEN_CACHE_DIR"), reason="needs TIKTOKEN_CACHE_DIR holding gpt2")
+@pytest.mark.skipif(not os.environ.get("TIKTOKEN_CACHE_DIR"),
+                    reason="needs GPT-2's tokenizer files offline: set TIKTOKEN_CACHE_DIR to a folder holding them "
+                           "(tiktoken fills one on first use with internet)")
 def test_gpt2_roundtrip(tmp_path):
     try:
         enc = tc.load_encoding("gpt2")
     except tc.TokenizerUnavailable:
-        pytest.skip("gpt2 not in TIKTOKEN_CACHE_DIR")
+        pytest.skip("TIKTOKEN_CACHE_DIR holds no gpt2 files: run tiktoken.get_encoding('gpt2') once with "
+                    "internet and that folder set")
     inputs, docs = _make_corpus(tmp_path)
     out = tmp_path / "out"
     assert tc.main([*map(str, inputs), "--out_dir", str(out), "--name", "g", "--val_fraction", "0.3",
@@ -1559,7 +1556,7 @@ def test_import_has_no_side_effects(capsys):
 
 
 def test_plot_written(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib: pip install matplotlib")
     logdir = tmp_path / "logs"
     logdir.mkdir()
     _make_runs(logdir)
@@ -2191,7 +2188,7 @@ def _fake_work(tmp_path, n_docs=40):
 
 
 def test_build_trains_on_train_split_and_writes_shards_with_bos_last(tmp_path, monkeypatch):
-    pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers", reason="needs the tokenizers library: pip install -r experiments/requirements.txt")
     work = _fake_work(tmp_path)
     seen_texts = []
     real_train = pc.train_tokenizer
@@ -2230,7 +2227,7 @@ def test_build_trains_on_train_split_and_writes_shards_with_bos_last(tmp_path, m
 
 
 def test_literal_bos_text_is_not_the_bos_id():
-    pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers", reason="needs the tokenizers library: pip install -r experiments/requirements.txt")
     tok = pc.train_tokenizer([PROSE * 5, "<|bos|> appears here"], 300, threads=1)
     enc = pc.HFEncoding(tok, "t")
     assert enc.eot_token == enc.n_vocab - 1

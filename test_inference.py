@@ -297,7 +297,7 @@ def test_codec_finds_the_checkpoints_tokenizer(tmp_path):
 
 
 def _load_prose_corpus():
-    pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers", reason="needs the tokenizers library: pip install -r experiments/requirements.txt")
     spec = importlib.util.spec_from_file_location("prose_corpus", ROOT / "data" / "prose_corpus.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
