@@ -1890,10 +1890,14 @@ def test_download_a_folder_where_a_shard_should_be_is_one_line_exit_1(tmp_path, 
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# records its command line; `-c CODE` fails when CODE names a module listed in FAKE_MISSING
+# records its command line; `-c CODE` fails when CODE names a module listed in FAKE_MISSING that no
+# `-m pip install` has installed since
 echo "$*" >> "$FAKE_LOG"
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "$*" >> "$FAKE_LOG.installed"; fi
 if [ "$1" = "-c" ]; then
-    for m in $FAKE_MISSING; do case "$2" in *"$m"*) exit 1;; esac; done
+    for m in $FAKE_MISSING; do
+        case "$2" in *"$m"*) grep -qs " $m" "$FAKE_LOG.installed" || exit 1;; esac
+    done
     case "$2" in *device_count*) echo 0;; esac
 fi
 exit 0
@@ -1907,6 +1911,7 @@ def _run_sh(tmp_path, missing, *args):
     fake.chmod(0o755)
     log = tmp_path / "calls.txt"
     log.unlink(missing_ok=True)
+    (tmp_path / "calls.txt.installed").unlink(missing_ok=True)
     env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "FAKE_MISSING": missing,
            "PATH": str(tmp_path / "no_gpu") + ":" + os.environ["PATH"]}
     (tmp_path / "no_gpu").mkdir(exist_ok=True)  # an nvidia-smi that finds no GPU, whatever the machine has
