@@ -1138,9 +1138,9 @@ def window_blocks(step, a: Hyperparameters):
 class Logger:
     """Rank 0 writes logs/<run_id>.txt: the script's source, the environment, then the run's lines. A run that
     resumes its own checkpoint appends a "resumed" section to its log. A new run writes to a hidden temporary
-    file, which replaces logs/<run_id>.txt (and, with --overwrite, the old run's checkpoints go) only at
-    start(), once data and checkpoint are checked: a refused run leaves the old log untouched. undo() takes
-    back what a refused run wrote."""
+    file, which takes the name logs/<run_id>.txt (and, with --overwrite, the old run's checkpoints go) only at
+    start(), right before the first step: a refused or crashed start leaves an earlier run's log untouched.
+    undo() takes back what a refused run wrote."""
 
     def __init__(self, a: Hyperparameters, master: bool):
         self.path = log_path(a) if master else None
