@@ -883,6 +883,12 @@ def test_finished_two_process_jobs_exit_0_every_time(toy_data, tmp_path):
         assert r.returncode == 0 and "terminate called" not in r.stderr, (i, r.stderr[-1500:])
 
 
+def test_a_usage_error_under_torchrun_is_said_once(toy_data, tmp_path):
+    """Both ranks once printed the same error; now rank 0 alone says it (torchrun adds its own report)."""
+    r = run_cli(tiny_flags(toy_data, tmp_path, cplm=7), nproc=2)
+    assert r.returncode != 0 and r.stderr.count("--cplm must be 0 or 1") == 1
+
+
 def test_sigterm_ends_the_log_with_a_stopped_line(toy_data, tmp_path):
     """A scheduler's SIGTERM once left a log without a "stopped:" line, ended mid-run."""
     import signal as sig

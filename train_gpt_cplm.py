@@ -93,7 +93,7 @@ class Hyperparameters:
     run_id: str = ""  # log name; default: a fresh uuid
     log_dir: str = "logs"  # where logs and checkpoints go
     compile: int = -1  # torch.compile the model and Newton-Schulz; -1: on CUDA only
-    coordinate_descent: int = 1  # 1: inductor's coordinate-descent kernel tuning on CUDA, as the record (minutes more compile)
+    coordinate_descent: int = 1  # 1: inductor's coordinate-descent tuning on CUDA, as the record (a longer compile)
     warmup_steps: int = 10  # untimed steps that compile kernels; the model and optimizers are then reset
     dist_timeout_s: int = 900  # a collective that waits longer ends the job instead of hanging it
     checkpoint_every: int = 0  # > 0: save a checkpoint every this many steps
@@ -1241,12 +1241,15 @@ def check_log_target(a: Hyperparameters):
         except PermissionError:
             pass
     if continues_own_run(a) and not a.overwrite:  # resuming from an earlier checkpoint would overwrite later ones
-        step = re.search(r"state_step(\d+)\.pt$", a.resume)
-        later = [f for f in glob.glob(os.path.join(glob.escape(os.path.dirname(a.resume)), "state_step*.pt"))
-                 if step and re.search(r"state_step(\d+)\.pt$", f) and int(re.search(r"(\d+)\.pt$", f)[1]) > int(step[1])]
+        def step_of(path):
+            m = re.search(r"state_step(\d+)\.pt$", path)
+            return int(m[1]) if m else -1
+        folder = os.path.dirname(a.resume)
+        later = sorted(f for f in glob.glob(os.path.join(glob.escape(folder), "state_step*.pt"))
+                       if step_of(f) > step_of(a.resume) >= 0)
         if later:
-            raise UsageError(f"{os.path.dirname(a.resume)} holds checkpoints after this one ({os.path.basename(sorted(later)[-1])}): "
-                             "resuming from here would replace them; resume the newest, or pass --overwrite 1 to branch")
+            raise UsageError(f"{folder} holds checkpoints after this one ({os.path.basename(later[-1])}): resuming "
+                             "from here would replace them; resume the newest, or pass --overwrite 1 to branch")
 
 
 def environment_lines(device, world_size):
@@ -1363,7 +1366,8 @@ def read_checkpoint(a: Hyperparameters, device):
     except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
         raise DataError(f"--resume {a.resume}: not a readable checkpoint of this script "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
-    if "digest" in state and tensor_digest([state["model"], state["optimizers"], checkpoint_scalars(state)]) != state["digest"]:
+    saved_digest = state.get("digest")
+    if saved_digest and tensor_digest([state["model"], state["optimizers"], checkpoint_scalars(state)]) != saved_digest:
         raise DataError(f"--resume {a.resume}: its tensors do not match the digest saved with them: the file is "
                         "corrupted; resume from an earlier checkpoint")
     return state
@@ -1589,7 +1593,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         start_step, training_time_ms = checkpoint["step"], checkpoint["training_time_ms"]
         log(("continuing" if log.size_before is not None else f"resumed from {a.resume}")
             + f" at step {start_step}, train_time {training_time_ms:.0f}ms"
-            + (f"; changed on the command line: {', '.join(changed)}" if changed else "; every setting the checkpoint's"))
+            + (f"; changed on the command line: {', '.join(changed)}" if changed else "; every setting as saved"))
 
     def checkpoint_path(step):
         return os.path.join(a.log_dir, a.run_id, f"state_step{step:06d}.pt")
@@ -1715,11 +1719,14 @@ def clone_state(state):
 
 
 if __name__ == "__main__":
+    said_by_rank_0 = int(os.environ.get("RANK", 0)) > 0  # under torchrun every rank fails alike: one says why
     try:
         sys.exit(main())
     except UsageError as e:
-        print(f"{os.path.basename(sys.argv[0])}: error: {e} (see --help)", file=sys.stderr)
+        if not said_by_rank_0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {e} (see --help)", file=sys.stderr)
         sys.exit(2)
     except DataError as e:
-        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        if not said_by_rank_0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
         sys.exit(1)
