@@ -61,8 +61,7 @@ echo "run.sh: the CPU race: vanilla, then CPLM (the cpu preset, seed 0; about 5 
 echo "run.sh: logs: logs/${race}_vanilla.txt and logs/${race}_cplm.txt; final checkpoints in logs/${race}_{vanilla,cplm}/"
 for mode in vanilla cplm; do
     echo "run.sh: training $mode"
-    # one heap arena: freed (T, V) blocks are reused by every thread (peak memory; see experiments/cpu_memory.py)
-    MALLOC_ARENA_MAX=${MALLOC_ARENA_MAX:-1} "$PYTHON" train_gpt_cplm.py --preset cpu --cplm "$([ $mode = cplm ] && echo 1 || echo 0)" \
+    "$PYTHON" train_gpt_cplm.py --preset cpu --cplm "$([ $mode = cplm ] && echo 1 || echo 0)" \
         --run_id "${race}_$mode" --save_checkpoint 1 "$@"
 done
 echo

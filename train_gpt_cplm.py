@@ -1190,16 +1190,15 @@ class Logger:
                 for old in glob.glob(os.path.join(glob.escape(self.run_folder), "state_step*.pt")):
                     os.remove(old)
 
-    def promote(self):
-        """A start that failed unexpectedly keeps its log under the run_id's name when no earlier run has it."""
-        if self.path and self.writing != self.path and os.path.exists(self.writing) and not os.path.exists(self.path):
-            os.replace(self.writing, self.path)
-
-    def undo(self):
+    def undo(self, keep_if_new=False):
+        """Takes back what a run that never started wrote. keep_if_new (a crash, not a refusal): a new run's log
+        is kept under the run_id's name when no earlier run has that name."""
         if not self.path:
             return
         if self.writing != self.path:
-            if os.path.exists(self.writing):
+            if keep_if_new and os.path.exists(self.writing) and not os.path.exists(self.path):
+                os.replace(self.writing, self.path)
+            elif os.path.exists(self.writing):
                 os.remove(self.writing)
         elif self.size_before is not None:
             os.truncate(self.path, self.size_before)
@@ -1396,10 +1395,9 @@ def use_heap_for_large_tensors():
     memory in the heap instead (glibc only; elsewhere nothing changes)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
         libc.mallopt(M_MMAP_MAX, 0)
         libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1)
-        libc.mallopt(M_ARENA_MAX, 1)  # one heap for every thread: a freed block is reused by all (peak 3.9 -> 2.3 GB)
     except (OSError, AttributeError):
         pass
 
@@ -1407,6 +1405,17 @@ def use_heap_for_large_tensors():
 def fp8_available(device):
     """FP8 matmuls need an sm_89+ GPU (Ada, Hopper, Blackwell)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def take_gpu_turn():
+    """records/gpu/first_call.py runs jobs that compile side by side and time in turn: with CPLM_GPU_TURN set,
+    waits for that file lock and returns it held (released when closed or the process ends); else None."""
+    if not os.environ.get("CPLM_GPU_TURN"):
+        return None
+    import fcntl
+    turn = open(os.environ["CPLM_GPU_TURN"], "a")
+    fcntl.flock(turn, fcntl.LOCK_EX)
+    return turn
 
 
 def _terminate(signum, frame):  # a scheduler's SIGTERM ends the run through the log's "stopped:" line
@@ -1461,8 +1470,7 @@ def main(argv=None):
     except BaseException as e:  # the log ends with why it stopped
         log(f"stopped: {type(e).__name__}: {e}", console=False)
         if not log.started:
-            log.promote()
-            log.undo()  # an earlier run's log stays as it was
+            log.undo(keep_if_new=True)  # an earlier run's log stays as it was
         raise
     finally:
         if distributed:
@@ -1605,12 +1613,9 @@ def train(a: Hyperparameters, log, rank, world_size, device):
             torch.cuda.synchronize()
 
     log.start(overwrite=bool(a.overwrite))  # the run really starts: its log (and checkpoints) are now its own
-    gpu_turn = None
-    if os.environ.get("CPLM_GPU_TURN"):  # records/gpu/first_call.py: jobs compile side by side, time in turn
-        import fcntl
-        waited = time.perf_counter()
-        gpu_turn = open(os.environ["CPLM_GPU_TURN"], "a")
-        fcntl.flock(gpu_turn, fcntl.LOCK_EX)  # released after the final line (or when the process ends)
+    waited = time.perf_counter()
+    gpu_turn = take_gpu_turn()  # released after the final line
+    if gpu_turn is not None:
         log(f"gpu turn: waited {time.perf_counter() - waited:.1f}s")
     peak_train = peak_eval = 0  # bytes: training and validation apart (validation rows can be much longer)
     if device.type == "cuda":

@@ -77,10 +77,8 @@ def main(device="cuda", T=4096, compile_backend="inductor"):
         (warm * weights).sum().backward()  # ...and the backward, which compiles lazily at its first call
         synchronize(dev)
         compile_s = time.perf_counter() - t0
-        if os.environ.get("CPLM_GPU_TURN"):  # first_call.py: the timed part takes its turn on the GPU
-            import fcntl
-            gpu_turn = open(os.environ["CPLM_GPU_TURN"], "a")
-            fcntl.flock(gpu_turn, fcntl.LOCK_EX)
+        gpu_turn = tg.take_gpu_turn()  # first_call.py: the timed part takes its turn on the GPU
+        if gpu_turn is not None:
             print("gpu turn taken", flush=True)
         fast_in = leaves(*inputs)
         synchronize(dev)

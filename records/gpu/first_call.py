@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -55,7 +54,7 @@ class Job:
 
     def poll(self):
         text = self.text()
-        for marker in ("warm-up done", "gpu turn", "final val_loss", "cuda cp check:", "flex CP path FAILED"):
+        for marker in ("warm-up done", "gpu turn", "final val_loss"):
             if marker not in self.events and marker in text:
                 self.events[marker] = time.monotonic() - self.started
         return self.proc.poll()
@@ -242,22 +241,13 @@ def window_step_ms(val):
 
 
 def row_concentration(data_glob, rows, row_len, bos):
-    """Mean over the first `rows` training rows of sum L^2 / T^2 (L: the document pieces in a row): the
-    share of a full causal T x T score matrix that document-causal attention and the CP sums touch."""
+    """sum L^2 / T^2 (prepare_gpu_data.concentration) over the first `rows` training rows, or None."""
     import glob
     import numpy as np
+    from prepare_gpu_data import concentration  # beside this file
     files = sorted(glob.glob(data_glob))
-    if not files:
-        return None
-    tokens = np.fromfile(files[0], dtype=np.uint16, offset=256 * 4)[: rows * row_len]
-    shares = []
-    for r in range(len(tokens) // row_len):
-        row = tokens[r * row_len:(r + 1) * row_len]
-        starts = np.flatnonzero(row == bos).tolist()
-        bounds = sorted(set([0] + starts + [row_len]))
-        lengths = np.diff(bounds)
-        shares.append(float((lengths.astype(np.float64) ** 2).sum() / row_len ** 2))
-    return statistics.mean(shares) if shares else None
+    tokens = np.fromfile(files[0], dtype=np.uint16, offset=256 * 4)[: rows * row_len] if files else []
+    return concentration(tokens, row_len, bos) if len(tokens) >= row_len else None
 
 
 def recompiles_after_warmup(stdout_text):
@@ -293,9 +283,9 @@ def write_summary(report, args, jobs):
         report(f"vanilla: {step_ms['vanilla']:.1f} ms a step for one 48Ki-token row on one GPU, no communication, "
                f"kernels tuned without coordinate descent (not the record's configuration); the record's "
                f"8xH100 step, communication included: {RECORD_STEP_MS} ms")
-    concentration = row_concentration(os.path.join(ROOT, args.data, "*_train_*.bin") if not os.path.isabs(args.data)
-                                      else os.path.join(args.data, "*_train_*.bin"),
-                                      args.steps, 256 if args.dry_run else 49152, args.bos)
+    # a relative --data is the repository's (os.path.join keeps an absolute one as it is)
+    concentration = row_concentration(os.path.join(ROOT, args.data, "*_train_*.bin"), args.steps,
+                                      256 if args.dry_run else 49152, args.bos)
     if concentration is not None:
         report(f"timed rows: sum L^2 / T^2 = {concentration:.3f} (mean over the first {args.steps} rows)")
     if "vanilla" in step_ms and cplm_name:

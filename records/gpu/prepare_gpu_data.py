@@ -57,12 +57,13 @@ def pieces(documents, encoder, rng, budget, median=1500, sigma=1.0, lo=64, hi=16
     return np.concatenate([np.asarray(p, dtype=np.uint16) for p in out])[:budget]
 
 
-def concentration(tokens, row_len):
-    """Mean over full rows of sum L^2 / T^2, L the document pieces of the row."""
+def concentration(tokens, row_len, bos=GPT2_BOS):
+    """Mean over full rows of sum L^2 / T^2, L the document pieces of the row: the share of a full causal
+    T x T score matrix that document-causal attention and the CP sums touch (first_call.py reports it too)."""
     shares = []
     for r in range(len(tokens) // row_len):
         row = tokens[r * row_len:(r + 1) * row_len]
-        bounds = sorted(set([0] + np.flatnonzero(row == GPT2_BOS).tolist() + [row_len]))
+        bounds = sorted(set([0] + np.flatnonzero(row == bos).tolist() + [row_len]))
         shares.append(float((np.diff(bounds).astype(np.float64) ** 2).sum()) / row_len ** 2)
     return float(np.mean(shares)) if shares else float("nan")
 
