@@ -283,6 +283,59 @@ def test_reference_matches_oracle_and_is_a_distribution():
     torch.testing.assert_close(ref.double(), oracle_log_probs(logits, q, k, sink, ids, copy_id), atol=2e-5, rtol=1e-5)
 
 
+def pointer_sentinel_oracle(lm_logits, q, k, sink_key, input_ids, copy_id):
+    """Merity et al. 2016, one position at a time in float64: the pointer softmax over the context and a
+    sentinel, g = the sentinel's share; p = g p_vocab + (1 - g) p_ptr, p_vocab the LM's softmax over every slot
+    but <copy>, p_ptr the pointer softmax over the context alone."""
+    B, T, V = lm_logits.shape
+    out = torch.empty(B, T, V, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            z = lm_logits[b, t].double().clone()
+            z[copy_id] = -math.inf
+            p_vocab = z.softmax(-1)
+            context = q[b, t].double() @ k[b, :t + 1].double().T / math.sqrt(q.size(-1))
+            sentinel = q[b, t].double() @ sink_key.double() / math.sqrt(q.size(-1))
+            g = torch.cat([context, sentinel[None]]).softmax(-1)[-1]
+            p_ptr = torch.zeros(V, dtype=torch.float64).index_add_(0, input_ids[b, :t + 1], context.softmax(-1))
+            out[b, t] = (g * p_vocab + (1 - g) * p_ptr).log()
+    return out
+
+
+def test_sentinel_reference_matches_the_pointer_sentinel_formula():
+    logits, q, k, sink, ids, copy_id = random_mixture_inputs(seed=4)
+    ref = tg.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel")
+    assert torch.isneginf(ref[..., copy_id]).all()
+    torch.testing.assert_close(ref.logsumexp(-1), torch.zeros(ref.shape[:2]), atol=1e-5, rtol=0)
+    oracle = pointer_sentinel_oracle(logits, q, k, sink, ids, copy_id)
+    torch.testing.assert_close(ref.double(), oracle, atol=2e-5, rtol=1e-5)
+    # the <copy> logit plays no part: the sentinel alone gates
+    logits[..., copy_id] += 7
+    torch.testing.assert_close(tg.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel"), ref)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_sentinel_fast_loss_matches_reference_values_and_gradients(softcap):
+    logits, q, k, sink, ids, copy_id = random_mixture_inputs(T=40, vocab_used=12, seed=6)
+    ids[0, 17] = 3  # a second document in row 0
+    targets = torch.randint(0, 12, ids.shape, generator=torch.Generator().manual_seed(7))
+    targets[1, :4] = 30  # never in the context
+    inputs = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
+    doc_ids = tg.doc_ids_of(ids, 3)
+    allowed = torch.ones(40, 40, dtype=torch.bool).tril() & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    ref = tg.cplm_log_probs(tg.soft_cap(inputs[0], softcap), *inputs[1:], ids, copy_id, allowed, gate="sentinel")
+    ref = ref.gather(-1, targets[..., None])[..., 0]
+    ref_grads = torch.autograd.grad(ref.sum(), inputs)
+    inputs2 = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
+    copyable = tg.target_in_context(ids, targets, doc_ids, logits.size(-1))
+    fast = tg.cplm_target_log_prob(*inputs2, ids, targets, doc_ids, copyable, copy_id, softcap=softcap, chunk=5,
+                                   gate="sentinel")
+    torch.testing.assert_close(fast["log_p"], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast["lam"], 1 - fast["s"])
+    for name, a, b in zip(["logits", "q", "k", "sink"], torch.autograd.grad(fast["log_p"].sum(), inputs2), ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def fast_log_p(logits, q, k, sink, ids, targets, copy_id, bos=None, chunk=512):
     doc_ids = tg.doc_ids_of(ids, bos) if bos is not None else torch.zeros_like(ids)
     copyable = tg.target_in_context(ids, targets, doc_ids, logits.size(-1))
@@ -332,6 +385,39 @@ def test_lm_head_terms_match_autograd_and_cross_entropy():
     grad = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, terms)), u)[0]
     grad_expected = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, expected)), u)[0]
     torch.testing.assert_close(grad, grad_expected)
+
+
+@pytest.mark.parametrize("rows,vocab,cap,chunk", [(1024, 50304, 15.0, 32), (333, 8320, 15.0, 32), (70, 4224, 0.0, 16)])
+def test_vanilla_cpu_loss_is_the_record_loss_bit_for_bit(rows, vocab, cap, chunk):
+    """VanillaLossCPU (eager CPU training) against the record's cross-entropy on the whole (N, V) tensor: the
+    same loss and the same gradient, to the last bit, on random logits; rows not a multiple of the chunk."""
+    g = torch.Generator().manual_seed(rows)
+    u = (torch.randn(2, rows, vocab, generator=g) * 3).requires_grad_()
+    y = torch.randint(0, vocab, (2, rows), generator=g)
+    record = tg.vanilla_nll(u, y, cap)
+    chunked = tg.VanillaLossCPU.apply(u, y, cap, chunk)
+    assert torch.equal(record, chunked)
+    # upstream 1 (one process, no accumulation), 1/2 (the cpu preset's 2 micro-steps), anything else, and again
+    for upstream in (1.0, 0.5, 0.37, 0.37):
+        assert torch.equal(*(torch.autograd.grad(loss * upstream, u, retain_graph=True)[0]
+                             for loss in (record, chunked))), upstream
+
+
+def test_vanilla_cpu_training_uses_the_lean_loss_and_keeps_the_record_gradient():
+    assert tiny_model(0)(*[torch.tensor([[BOS, 1, 2, 3]])] * 2).grad_fn.name() == "NllLossBackward0"  # V <= 4096
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(vocab_size=8192, bos_id=BOS, num_layers=2, model_dim=32, num_heads=2, max_seq_len=256))
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.05)
+    ids = torch.tensor(toy_corpus(257, 4))[None]
+    loss = model(ids[:, :-1], ids[:, 1:])
+    assert loss.grad_fn.name() == "VanillaLossCPUBackward"
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    h, _ = model.hidden_states(ids[:, :-1])
+    record = tg.vanilla_nll(model.lm_head(h), ids[:, 1:], model.config.logit_softcap)
+    assert torch.equal(loss, record)
+    for a, b in zip(grads, torch.autograd.grad(record, list(model.parameters()))):
+        assert torch.equal(a, b)
 
 
 def test_packed_documents_equal_separate_rows():
@@ -414,9 +500,11 @@ def tiny_model(cplm, **over):
     return model
 
 
-@pytest.mark.parametrize("cplm", [0, 1])
+@pytest.mark.parametrize("cplm", [0, 1, "sentinel"])
 def test_model_loss_token_stats_and_log_probs_agree(cplm):
-    model = tiny_model(cplm, **({"copy_gate_init": 0.3} if cplm else {}))
+    gate = {"copy_gate": "sentinel"} if cplm == "sentinel" else {"copy_gate_init": 0.3} if cplm else {}
+    model = tiny_model(int(bool(cplm)), **gate)
+    assert (model.copy_logit_bias is None) == (cplm != 1)  # the pointer sentinel has no <copy> gate
     ids = torch.tensor(toy_corpus(129, 3)[1:])[None]
     ids = torch.cat([torch.tensor([[BOS]]), ids[:, :127]], 1)  # one document
     targets = torch.cat([ids[:, 1:], torch.tensor([[ids[0, 3]]])], 1)
@@ -429,6 +517,22 @@ def test_model_loss_token_stats_and_log_probs_agree(cplm):
     assert set(stats) >= ({"nll", "copyable", "lam", "c", "s"} if cplm else {"nll", "copyable"})
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("cplm", [0, 1])
+def test_at_step_0_only_the_heads_get_a_gradient(cplm):
+    """As built (not tiny_model's re-randomised copy), the zero LM head gives the backbone an exact zero gradient
+    at step 0, and so does the CP head, whose W_Q starts at zero. A random W_Q gave the backbone's scalars
+    rounding noise there (their true gradient is zero: RMSnorm ignores the scale they set), which Adam turned
+    into full-size steps that differed with the thread count."""
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(vocab_size=8192, bos_id=0, num_layers=4, model_dim=128, num_heads=2,
+                                max_seq_len=1024, cplm=cplm))
+    ids = torch.tensor(toy_corpus(1025, 5, bos=0))[None]
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    heads = {"lm_head.weight", "copy_logit_bias", "cp_head.w_q.weight"}
+    for name, p in model.named_parameters():
+        assert (p.grad.abs().sum() > 0) == (name in heads), name
 
 
 def test_cplm_adds_only_the_cp_head_and_stop_grad_cuts_its_gradient():
@@ -682,6 +786,9 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     (["--logit_softcap", "nan"], "--logit_softcap must lie in [0, 1000]"),
     (["--preset", "cpu", "--no_attention_layer", "99"], "--no_attention_layer 99 is not a layer of a 4-layer model"),
     (["--copy_gate_init", "0.5", "--cplm", "0"], "--copy_gate_init sets the CP head's gate: it needs --cplm 1"),
+    (["--copy_gate", "pointer"], "--copy_gate is lm or sentinel (got 'pointer')"),
+    (["--copy_gate", "sentinel", "--cplm", "0"], "sentinel needs --cplm 1 and no --copy_gate_init"),
+    (["--copy_gate", "sentinel", "--cplm", "1", "--copy_gate_init", "0.5"], "sentinel needs --cplm 1"),
     (["--preset", "cpu", "--cp_backend", "flex"], "--cp_backend flex needs a CUDA GPU"),
     (["--run_id", "r" * 300], "--run_id is 300 characters: at most 200"),
     (["--log_dir", ""], "--log_dir must name a folder"),
@@ -927,6 +1034,29 @@ def test_two_processes_equal_one_with_accumulation_and_warmup_changes_nothing(to
         np.testing.assert_allclose(a, b, rtol=1e-4)
     assert "world_size: 2" in open(tmp_path / "two.txt").read()
     assert "warm-up done: 2 steps" in open(tmp_path / "one.txt").read()
+
+
+def test_one_and_two_processes_agree_with_the_default_thread_counts(tmp_path):
+    """Without OMP_NUM_THREADS a single process takes every core and each of two ranks half of them, so their
+    sums split differently. Rows of 512 x 128 are summed in parallel, and at V = 8192 the closed gate (c = 1/V)
+    made CPLM drift by 2.5e-4 in 3 steps: its random W_Q sent the backbone's scalars rounding noise at step 0
+    (about 1e-10, where RMSnorm makes their gradient exactly zero) and Adam (eps 1e-10) made full-size steps of
+    it. With W_Q starting at zero both modes agree to 1e-4, the README's promise."""
+    for name, seed in (("toy_train_000000.bin", 0), ("toy_train_000001.bin", 1), ("toy_val_000000.bin", 2)):
+        write_shard(tmp_path / name, toy_corpus(60_000, seed), vocab=8192)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    for cplm in (0, 1):
+        flags = dict(vocab_size=8192, num_layers=2, model_dim=128, seq_len=512, val_seq_len=512, batch_size=2048,
+                     val_tokens=4096, attn_window=512, num_iterations=4, val_loss_every=2, cplm=cplm)
+        for run_id, nproc in (("one", None), ("two", 2)):
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+            cmd = [sys.executable, *launcher, SCRIPT, *tiny_flags(tmp_path, tmp_path, run_id=f"{run_id}{cplm}", **flags)]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+            assert r.returncode == 0, r.stderr[-2000:]
+        for kind in ("train_loss", "val_loss"):
+            a, b = (log_values(tmp_path / f"{run_id}{cplm}.txt", kind) for run_id in ("one", "two"))
+            assert len(a) == len(b) > 0
+            np.testing.assert_allclose(a, b, rtol=1e-4, err_msg=f"cplm={cplm} {kind}")
 
 
 @pytest.mark.slow

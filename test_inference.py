@@ -25,10 +25,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 def tiny_model(cplm, max_seq_len=1024):
     """4 layers (long, short, no attention, long), random weights everywhere (no zero-initialised heads),
-    in CPLM mode a gate that starts open so copying weighs in the mixture."""
+    in CPLM mode a gate that starts open so copying weighs in the mixture; cplm "sentinel": the pointer-sentinel
+    gate (--copy_gate sentinel)."""
     torch.manual_seed(0)
+    gate = {"copy_gate": "sentinel"} if cplm == "sentinel" else {"copy_gate_init": 0.3 if cplm else 0.0}
     cfg = tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=32, num_heads=2, no_attention_layer=2,
-                       max_seq_len=max_seq_len, cplm=cplm, cp_dim=16, copy_gate_init=0.3 if cplm else 0.0)
+                       max_seq_len=max_seq_len, cplm=int(bool(cplm)), cp_dim=16, **gate)
     model = tg.GPT(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -61,7 +63,7 @@ def reference_generate(model, prompt, max_new_tokens, temperature, top_k, seed, 
 # the caches against the dense reference
 
 
-@pytest.mark.parametrize("cplm", [0, 1])
+@pytest.mark.parametrize("cplm", [0, 1, "sentinel"])
 @pytest.mark.parametrize("window", [None, WINDOW, 1])
 def test_every_position_matches_the_reference(cplm, window):
     """Fed in uneven pieces (a chunked prefill whose chunks cut through the BOS and the window edges,

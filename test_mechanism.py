@@ -261,7 +261,8 @@ class StubLoader:
 
 @pytest.fixture(scope="module")
 def run_folder(tmp_path_factory):
-    """logs/run/state_step000002.pt of a tiny CPLM 2 x 32 whose LM head is no longer zero; val shard beside it."""
+    """logs/run/state_step000002.pt of a tiny CPLM 2 x 32 whose LM head and W_Q are no longer zero; val shard
+    beside it."""
     d = tmp_path_factory.mktemp("mech")
     rng = np.random.default_rng(0)
     tokens = [BOS] + list(rng.integers(0, 20, 600))
@@ -275,6 +276,7 @@ def run_folder(tmp_path_factory):
     model = tg.GPT(tg.GPTConfig.from_args(hp))
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.1)
+        model.cp_head.w_q.weight.normal_(0, 0.1)
     path = str(d / "logs" / "tiny" / "state_step000002.pt")
     tg.save_checkpoint(path, model, tg.build_optimizers(model, hp, 0, 1), 2, StubLoader(), 0.0, hp, [])
     return d
@@ -296,9 +298,10 @@ def test_cli_grad_on_a_run_folder_adds_the_seeded_step_0(run_folder, tmp_path, m
                    monkeypatch) == 0
     results = json.loads((tmp_path / "report" / "grad.json").read_text())["results"]
     assert [(x["run_id"], x["step"], x["mode"]) for x in results] == [("tiny", 0, "cplm"), ("tiny", 2, "cplm")]
-    assert results[0]["ratios"]["lm"]["all"][0] == 0.0  # the zero-initialised LM head passes nothing at step 0
+    # at step 0 the zero-initialised LM head and W_Q pass the backbone nothing; by step 2 both pass something
+    assert results[0]["ratios"]["lm"]["all"][0] == results[0]["ratios"]["cp"]["all"][0] == 0.0
     assert results[0]["ratios"]["lm_span"]["all"][0] == 0.0
-    assert results[1]["ratios"]["lm"]["all"][0] > 0 and results[0]["ratios"]["cp"]["all"][0] > 0
+    assert results[1]["ratios"]["lm"]["all"][0] > 0 and results[1]["ratios"]["cp"]["all"][0] > 0
     assert results[1]["ratios"]["cp"]["all"][1] == 256  # 2 rows of 128 tokens
     assert results[0]["loss"] == pytest.approx(math.log(128), abs=0.05)  # uniform over the padded vocabulary
     md = (tmp_path / "report" / "grad.md").read_text()

@@ -75,6 +75,9 @@ class Hyperparameters:
     cp_optimizer: str = "adam"  # W_Q, W_K trained by "adam" (at lr_cp) or "muon" (at lr_muon)
     lr_cp: float = 0.008  # Adam learning rate of W_Q and W_K
     copy_gate_init: float = 0.0  # the gate c at step 0 (a bias on the <copy> logit); 0: closed as in the paper
+    # "lm": lam = c (1 - s), c from the LM head's <copy> slot (the paper); "sentinel": lam = 1 - s, the
+    # pointer-sentinel mixture of Merity et al. 2016 (the sink alone gates, <copy> unused): a baseline
+    copy_gate: str = "lm"  # what gates copying: "lm" (the paper's <copy> slot) or "sentinel" (pointer sentinel)
     cp_stop_grad: int = 0  # ablation: 1 stops the CP head's gradient into the backbone
     # optimization
     num_iterations: int = 1770  # optimizer steps
@@ -208,6 +211,8 @@ def check_args(a: Hyperparameters):
     need(a.cp_backend != "flex" or torch.cuda.is_available(), "--cp_backend flex needs a CUDA GPU (FlexAttention "
          "has no backward on CPU): use --cp_backend dense or auto")
     need(a.cplm == 1 or a.copy_gate_init == 0, "--copy_gate_init sets the CP head's gate: it needs --cplm 1")
+    need(a.copy_gate in ("lm", "sentinel") and (a.copy_gate == "lm" or (a.cplm == 1 and a.copy_gate_init == 0)),
+         f"--copy_gate is lm or sentinel (got {a.copy_gate!r}); sentinel needs --cplm 1 and no --copy_gate_init")
     need(a.resume == "" or os.path.isfile(a.resume), f"--resume: no such checkpoint file: {a.resume}")
     need(all(x in (0, 1) for x in (a.cp_stop_grad, a.save_checkpoint, a.overwrite, a.coordinate_descent))
          and a.compile in (-1, 0, 1),
@@ -634,7 +639,10 @@ class CopyPasteHead(nn.Module):
 
     def __init__(self, dim, cp_dim):
         super().__init__()
-        self.w_q = CastedLinear(dim, cp_dim)
+        # W_Q starts at zero, as the record's output projections do: the CP head then sends the backbone an exact
+        # zero at step 0, as vanilla's zero LM head does. A random W_Q sent it rounding noise (~1e-10) along the
+        # directions RMSnorm ignores; Adam (eps 1e-10) made full-size steps of it, which differed by thread count
+        self.w_q = CastedLinear(dim, cp_dim, zero_init=True)
         self.w_k = CastedLinear(dim, cp_dim)
         self.sink_key = nn.Parameter(torch.zeros(cp_dim))
 
@@ -661,6 +669,7 @@ class GPTConfig:
     cp_dim: int = 64
     cp_backend: str = "auto"
     copy_gate_init: float = 0.0
+    copy_gate: str = "lm"
     cp_stop_grad: int = 0
     cp_chunk: int = 0
 
@@ -707,8 +716,9 @@ class GPT(nn.Module):
         # the record's FP8 scales for x, W and the gradient (chosen for a zero-initialised 768 x 50304 head)
         self.lm_head = CastedLinear(D, V, zero_init=True, fp8_scales=(2.0, 2.0 ** 9, 2.0 ** 19) if c.fp8_head else None)
         self.cp_head = CopyPasteHead(D, c.cp_dim) if c.cplm else None
-        if c.cplm:  # a bias on the <copy> logit; the zero-initialised head makes every logit equal at step 0,
-            # so c = copy_gate_init there (0: no bias, c = 1 / padded vocab, the paper's closed gate)
+        self.copy_logit_bias = None  # the pointer sentinel has no <copy> gate
+        if c.cplm and c.copy_gate == "lm":  # a bias on the <copy> logit; the zero-initialised head makes every
+            # logit equal at step 0, so c = copy_gate_init there (0: no bias, c = 1 / padded vocab, the paper's closed gate)
             c_init = c.copy_gate_init or 1 / V
             self.copy_logit_bias = nn.Parameter(torch.tensor(math.log(c_init / (1 - c_init)) + math.log(V - 1)))
         # "flex" (FlexAttention kernels, CUDA) or "dense" (masked SDPA and chunked dense CP sums, any device)
@@ -754,10 +764,13 @@ class GPT(nn.Module):
         if self.cp_head is not None or token_stats:
             copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
         if self.cp_head is None:
-            if pieces is None:
+            if pieces is None and self.config.padded_vocab > 4096 and not (
+                    token_stats or h.is_cuda or torch.compiler.is_compiling()):
+                nll = VanillaLossCPU.apply(head_out, target_ids, cap)  # eager CPU training: lean, same bits
+            elif pieces is None:
                 nll = vanilla_nll(head_out, target_ids, cap, reduction="none" if token_stats else "mean")
-            else:
-                nll = torch.cat([vanilla_nll(self.lm_head(h[:, p]), target_ids[:, p], cap, reduction="none")
+            else:  # evaluation: per-token nll, each piece's loss in chunks of rows as training's
+                nll = torch.cat([VanillaLossCPU.token_nll(self.lm_head(h[:, p]), target_ids[:, p], cap)
                                  for p in pieces])
             stats = {"nll": nll.view_as(target_ids) if token_stats else nll}
         else:
@@ -767,6 +780,7 @@ class GPT(nn.Module):
                 for p in pieces))]
             stats = cplm_target_log_prob(head_out, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
                                          self.config.copy_id, self.copy_logit_bias, cap, backend=self.cp_backend,
+                                         gate=self.config.copy_gate,
                                          chunk=self.config.cp_chunk or (4096 if h.is_cuda else 512), head_terms=terms)
             stats["nll"] = -stats.pop("log_p")
         if token_stats:
@@ -785,12 +799,13 @@ class GPT(nn.Module):
         if self.cp_head is None:
             return logits.log_softmax(-1)
         q, k, sink_key = self.cp_head(h)
-        copy_slot = torch.tensor([self.config.copy_id], device=logits.device)
-        logits = logits.index_add(-1, copy_slot, self.copy_logit_bias.expand(*logits.shape[:-1], 1))
+        if self.copy_logit_bias is not None:
+            copy_slot = torch.tensor([self.config.copy_id], device=logits.device)
+            logits = logits.index_add(-1, copy_slot, self.copy_logit_bias.expand(*logits.shape[:-1], 1))
         T = input_ids.size(-1)
         causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
         allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
-        return cplm_log_probs(logits, q, k, sink_key, input_ids, self.config.copy_id, allowed)
+        return cplm_log_probs(logits, q, k, sink_key, input_ids, self.config.copy_id, allowed, self.config.copy_gate)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -798,12 +813,13 @@ class GPT(nn.Module):
 #   c = p_full(<copy>) from the LM head, s = the sink's share of the CP softmax; all in log space.
 
 
-def cplm_log_probs(lm_logits, q, k, sink_key, key_ids, copy_id, allowed=None):
+def cplm_log_probs(lm_logits, q, k, sink_key, key_ids, copy_id, allowed=None, gate="lm"):
     """Dense reference of the mixture: log p(v) for every slot, (B, T, Vp) float32, <copy> at -inf.
     lm_logits (B, T, Vp) after the soft-cap; q (B, T, d) at the T positions scored; k (B, S, d) and
     key_ids (B, S) at the positions they may copy from; sink_key (d,). allowed (B, T, S) bool says which
     keys each query sees (every query must see at least one); None: S = T, one document, position t copies
-    from every tau <= t. Builds (T, S) and (T, Vp) tensors: for tests, evaluation and sampling, not for
+    from every tau <= t. gate "sentinel": p = s p_vocab + (1 - s) p_ptr, the pointer sentinel (p_vocab the
+    softmax without <copy>). Builds (T, S) and (T, Vp) tensors: for tests, evaluation and sampling, not for
     training."""
     B, T, Vp = lm_logits.shape
     S = k.size(1)
@@ -827,6 +843,9 @@ def cplm_log_probs(lm_logits, q, k, sink_key, key_ids, copy_id, allowed=None):
     log_copy = log_c[..., None] + safe_log_mass + row_max - lse_all[..., None]
     log_1ml = torch.logaddexp(log_1mc, log_c + log_s)
     log_lm = (log_1ml - log_1mc)[..., None] + log_p_full
+    if gate == "sentinel":  # c = 1: lam = 1 - s, and p_LM is the softmax without <copy>, as in the gated mixture
+        log_copy = safe_log_mass + row_max - lse_all[..., None]
+        log_lm = log_s[..., None] + log_p_full - log_1mc[..., None]
     out = torch.logaddexp(log_lm, log_copy)
     return out.index_fill(-1, torch.tensor([copy_id], device=z.device), float("-inf"))
 
@@ -915,6 +934,60 @@ def vanilla_nll(head_out, target_ids, softcap, reduction="mean"):
     return F.cross_entropy(soft_cap(head_out, softcap).flatten(0, -2), target_ids.flatten(), reduction=reduction)
 
 
+class VanillaLossCPU(torch.autograd.Function):
+    """vanilla_nll's mean for eager CPU training, bit for bit (loss and gradient, tested), in chunks of rows:
+    the record's loss keeps about five (N, V) float32 tensors alive at once, which at the GPT-2 vocabulary
+    fragmented the CPU heap (peak 3.8-4.6 GB against 1.7). The forward also makes each chunk's gradient for an
+    upstream gradient of 1, while the chunk is in cache; the backward scales it by a power of two (exact: the
+    training loop's 1 / grad_accum) or, for any other upstream gradient, recomputes the chunks. Bit for bit only
+    where V > 4096: below, the CPU softmax kernels group rows (32 KiB at a time) and a chunk edge inside a
+    group moves the last bit of a row or two; the (N, V) tensors are small there anyway."""
+
+    @staticmethod
+    def forward(ctx, head_out, target_ids, softcap, chunk=32):
+        u, t = head_out.flatten(0, -2), target_ids.flatten()
+        grad = torch.empty_like(u) if ctx.needs_input_grad[0] else None
+        nll = VanillaLossCPU.chunks(u, t, softcap, chunk, grad, torch.ones((), device=u.device))
+        ctx.save_for_backward(u, t)
+        ctx.grad = grad  # not saved_tensors: the backward may rewrite it in place (their version check would refuse)
+        ctx.softcap, ctx.chunk, ctx.shape = softcap, chunk, head_out.shape
+        return F.nll_loss(-nll[:, None], torch.zeros_like(t))  # the mean, summed in cross_entropy's own order
+
+    @staticmethod
+    def backward(ctx, g):
+        (u, t), grad = ctx.saved_tensors, ctx.grad
+        # not a power of two (scaling would round) or a second backward (retain_graph): make it with g itself
+        if torch.frexp(g).mantissa.abs() != 0.5 or getattr(ctx, "spent", False):
+            VanillaLossCPU.chunks(u, t, ctx.softcap, ctx.chunk, grad, g)
+        elif g != 1:
+            grad.mul_(g)
+        ctx.spent = True
+        return grad.view(ctx.shape), None, None, None
+
+    @staticmethod
+    def chunks(u, t, softcap, chunk, grad=None, upstream=None):
+        """Per-row nll (N,) of the flattened logits u, chunk rows at a time; with grad, also d(upstream x mean
+        nll)/du into grad, computed as the mean's backward does (upstream / N handed to every row). Without
+        grad, autograd records the chunks as usual (evaluation, or training on per-token losses)."""
+        nll = []
+        for lo in range(0, u.size(0), chunk):
+            if grad is None:
+                nll.append(vanilla_nll(u[lo:lo + chunk], t[lo:lo + chunk], softcap, reduction="none"))
+                continue
+            with torch.enable_grad():
+                x = u[lo:lo + chunk].detach().requires_grad_()
+                nll.append(vanilla_nll(x, t[lo:lo + chunk], softcap, reduction="none"))
+                row_grad = (upstream / u.size(0)).expand_as(nll[-1])
+                grad[lo:lo + chunk] = torch.autograd.grad(nll[-1], x, row_grad)[0]
+            nll[-1] = nll[-1].detach()
+        return torch.cat(nll)
+
+    @staticmethod
+    def token_nll(head_out, target_ids, softcap, chunk=32):
+        """vanilla_nll(reduction="none"), flattened, in chunks of rows (the same values where V > 4096)."""
+        return VanillaLossCPU.chunks(head_out.flatten(0, -2), target_ids.flatten(), softcap, chunk)
+
+
 def lm_head_terms(head_out, target_ids, copy_id, softcap=0.0):
     """(B, T) each: the logsumexp of the soft-capped logits without <copy>, the <copy> logit, the target's.
     Written so torch.compile fuses every (N, V) step into the reductions: the two single logits are read
@@ -981,31 +1054,34 @@ class LMHeadTermsCPU(torch.autograd.Function):
 
 
 def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_ids, copyable, copy_id,
-                         copy_bias=0.0, softcap=0.0, backend="dense", chunk=512, head_terms=None):
+                         copy_bias=0.0, softcap=0.0, backend="dense", chunk=512, head_terms=None, gate="lm"):
     """The training loss's quantities at the targets only: log p(y_t) of the mixture and the gates, each
     (B, T) float32. softcap > 0: lm_logits is the head's raw output and gets the soft-cap here; copy_bias
     is then added to the <copy> logit. Packed rows: copying stays inside each document. Never builds a
     (T, V) copy distribution; the dense backend never holds more than a (chunk, T) score block. head_terms:
-    lm_head_terms' three outputs computed already (lm_logits is then unused)."""
+    lm_head_terms' three outputs computed already (lm_logits is then unused). gate "sentinel": the pointer-
+    sentinel mixture, lam = 1 - s, p_LM the softmax without <copy> (copy_bias unused)."""
     if head_terms is not None:
         lse_without_copy, z_copy, z_y = head_terms
     elif lm_logits.is_cuda or torch.compiler.is_compiling():  # compiled: inductor fuses lm_head_terms' passes
         lse_without_copy, z_copy, z_y = lm_head_terms(lm_logits, target_ids, copy_id, softcap)
     else:
         lse_without_copy, z_copy, z_y = LMHeadTermsCPU.apply(lm_logits, target_ids, copy_id, softcap)
-    z_copy = z_copy + copy_bias
-    log_z = torch.logaddexp(lse_without_copy, z_copy)
-    log_c = z_copy - log_z
-    log_1mc = lse_without_copy - log_z
-    log_p_full_y = z_y - log_z
-
     scale = q.size(-1) ** -0.5
     a_sink = (q.float() @ sink_key.float()) * scale  # fp32: the sink competes with every position's score
     lse_doc, lse_match = copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk)
     lse_all = torch.logaddexp(lse_doc.float(), a_sink)
     log_s = a_sink - lse_all
-    log_1ml = torch.logaddexp(log_1mc, log_c + log_s)  # 1 - lam = (1 - c) + c s
-    lm_term = log_1ml - log_1mc + log_p_full_y
+    if gate == "sentinel":  # c = 1: lam = 1 - s, 1 - lam = s; p_LM is the softmax without <copy>, as below
+        log_c, log_1ml = torch.zeros_like(log_s), log_s
+        lm_term = log_s + z_y - lse_without_copy
+    else:
+        z_copy = z_copy + copy_bias
+        log_z = torch.logaddexp(lse_without_copy, z_copy)
+        log_c = z_copy - log_z
+        log_1mc = lse_without_copy - log_z
+        log_1ml = torch.logaddexp(log_1mc, log_c + log_s)  # 1 - lam = (1 - c) + c s
+        lm_term = log_1ml - log_1mc + (z_y - log_z)  # (1 - lam) p_full(y) / (1 - c)
     copy_term = torch.where(copyable, log_c + lse_match.float() - lse_all, float("-inf"))
     log_p = torch.logaddexp(lm_term, copy_term)
     return {"log_p": log_p, "lam": -torch.expm1(log_1ml), "c": log_c.exp(), "s": log_s.exp()}

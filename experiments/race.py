@@ -58,7 +58,8 @@ RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens
 #   --stage sweep: both modes get the same sweep of learning-rate scales (every rate times the scale, seed 0);
 #   --stage rows:  each mode's best scale (lowest final val loss of the sweep) on every seed (the headline),
 #                  then the other rows on every seed at the best scale of their mode (CPLM's for CPLM rows):
-#                  the open gate (c = 0.5 at step 0; the headline starts closed, c = 1/V), the stop-gradient
+#                  the pointer sentinel (lam = 1 - s: the paper's gate taken out), the open gate (c = 0.5 at step
+#                  0; the headline starts closed, c = 1/V), the stop-gradient
 #                  ablation, the V/D study (BPE of 2048 and 32768 at the same D: V/D = 16 and 256 next to the
 #                  headline's 64) and the byte-level control (V = 257 at D = 256: no bottleneck).
 # The other rows are not swept themselves: a skeptic may say their best scale could differ. `--scale S` runs
@@ -88,6 +89,8 @@ def scaled_lrs(scale):
 PROSE_ROWS = {
     "vanilla": ("vanilla", ["--cplm", "0"] + PROSE),
     "cplm": ("cplm", ["--cplm", "1"] + PROSE),
+    # the pointer-sentinel baseline (Merity et al. 2016): the same CP head, gated by its sink alone
+    "sentinel": ("cplm", ["--cplm", "1", "--copy_gate", "sentinel"] + PROSE),
     "cplm_open": ("cplm", ["--cplm", "1", "--copy_gate_init", "0.5"] + PROSE),
     "cplm_stopgrad": ("cplm", ["--cplm", "1", "--cp_stop_grad", "1"] + PROSE),
     **{f"v{V}_{mode}": (mode, ["--cplm", str(int(mode == "cplm"))] + prose_data(V) + PROSE_BUDGET)

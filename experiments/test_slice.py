@@ -1,0 +1,230 @@
+"""Scores checkpoints on a held-out test slice, with the neural-cache baseline on vanilla's.
+
+    python experiments/test_slice.py CHECKPOINT_OR_RUN_FOLDER... [--out records/prose_long/test_slice]
+
+The two slices, both cut from the run's validation shards (the prose corpus's val split, documents in a
+seeded shuffled order) and packed in rows of the run's val_seq_len as train_gpt_cplm.evaluate packs them:
+- tuning slice: the first --val_tokens (32Ki) tokens, the slice every log's val_loss is on, on which the
+  learning rates were chosen. The neural cache's theta and lambda are chosen here, and nothing else.
+- test slice: whole documents from the first one that starts at or after token --test_start (64Ki, past the
+  tuning slice), until --test_tokens (256Ki) tokens are reached; no choice was made on it.
+
+Each checkpoint gets its test loss (nats per token), over copyable targets (seen earlier in their document)
+and the others. A vanilla checkpoint also gets the neural cache of Grave et al. 2017: with h_i the final
+normed hidden state and x_{i+1} the token that followed position i,
+    p_cache(w | t) = sum_{i < t, same document, x_{i+1} = w} softmax_i(theta h_t . h_i),
+    p(w) = (1 - lambda) p_LM(w) + lambda p_cache(w)     (p_LM alone where the cache is empty),
+no training; (theta, lambda) minimise the tuning slice's loss over a grid, then the test slice is scored.
+Writes <out>.json (one record per checkpoint) and <out>.md (a table), and prints the table.
+"""
+import glob
+import json
+import math
+import os
+import sys
+
+import torch
+
+from cli import ROOT, OneLineParser  # experiments/cli.py
+import inference  # noqa: E402  (the repository root is on sys.path now)
+import train_gpt_cplm as tg  # noqa: E402
+
+THETAS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # h is RMS-normed: h . h = D (128 at the cpu preset)
+LAMBDAS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+
+
+class EvalError(Exception):
+    """Bad input: said in one line, exit 1."""
+
+
+def mode_of(hp):
+    return "vanilla" if not hp.cplm else ("sentinel" if getattr(hp, "copy_gate", "lm") == "sentinel" else "cplm")
+
+
+def expand(paths):
+    """Checkpoint files, and every state_step*.pt of each folder, in step order per folder."""
+    out = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(glob.glob(os.path.join(glob.escape(path), "state_step*.pt")))
+            if not found:
+                raise EvalError(f"{path}: no state_step*.pt checkpoints in this folder")
+            out += found
+        elif os.path.isfile(path):
+            out.append(path)
+        else:
+            raise EvalError(f"{path}: no such checkpoint file or run folder")
+    return out
+
+
+def slices(hp, test_start, test_tokens):
+    """(tuning tokens, test tokens, test documents): 1-D int64 tensors of n + 1 tokens (inputs and the shifted
+    targets), the test slice whole documents only."""
+    pattern = hp.val_files if glob.glob(hp.val_files) or os.path.isabs(hp.val_files) else os.path.join(
+        ROOT, hp.val_files)
+    tokens = torch.cat([torch.from_numpy(tg.load_shard(p, hp.vocab_size).astype("int64"))
+                        for p in tg.find_shards(pattern)])
+    if len(tokens) < hp.val_tokens + 1:
+        raise EvalError(f"{pattern}: {len(tokens)} val tokens, the tuning slice needs {hp.val_tokens + 1}")
+    starts = (tokens == hp.bos_id).nonzero()[:, 0]
+    first = starts[starts >= test_start]
+    if test_start < hp.val_tokens or len(first) == 0:
+        raise EvalError(f"--test_start {test_start}: it must lie past the tuning slice ({hp.val_tokens} tokens) "
+                        f"and before the last document of the val split ({len(tokens)} tokens)")
+    begin = int(first[0])
+    later = starts[starts >= begin + test_tokens]
+    if len(later) == 0:
+        raise EvalError(f"--test_tokens {test_tokens}: the val split has {len(tokens) - begin} tokens after "
+                        f"--test_start {test_start}")
+    end = int(later[0])  # the test slice ends where the next document starts
+    return tokens[:hp.val_tokens + 1], tokens[begin:end + 1], int(((starts >= begin) & (starts < end)).sum())
+
+
+def rows_of(tokens, seq_len, bos_id):
+    """(inputs, targets, valid) rows of seq_len, as evaluate cuts them. A last, shorter row is padded to whole
+    128-token blocks with BOS (a document of its own after every real position, so causal attention hides
+    it); valid marks the real positions."""
+    n = len(tokens) - 1
+    rows = []
+    for lo in range(0, n, seq_len):
+        x, y = tokens[lo:min(lo + seq_len, n)], tokens[lo + 1:min(lo + seq_len, n) + 1]
+        pad = -len(x) % tg.BLOCK
+        valid = torch.arange(len(x) + pad) < len(x)
+        x, y = (torch.cat([t, t.new_full((pad,), bos_id)]) for t in (x, y))
+        rows.append((x[None], y[None], valid[None]))
+    return rows
+
+
+def cache_log_p(h, input_ids, target_ids, doc_ids, theta):
+    """log p_cache(y_t) (B, T) of the neural cache: -inf where no earlier position of the document was followed
+    by y_t, nan where the cache is empty (the first position of a document)."""
+    T = input_ids.size(-1)
+    pos = torch.arange(T)
+    earlier = (pos[None, :] < pos[:, None]) & (doc_ids[:, :, None] == doc_ids[:, None, :])  # (B, t, i): i < t
+    scores = theta * (h.double() @ h.double().transpose(-1, -2))
+    followed_by = target_ids  # position i was followed by x_{i+1} = target_ids[i]
+    match = earlier & (followed_by[:, None, :] == target_ids[:, :, None])
+    lse_all = scores.masked_fill(~earlier, -math.inf).logsumexp(-1)
+    lse_match = scores.masked_fill(~match, -math.inf).logsumexp(-1)
+    return torch.where(earlier.any(-1), lse_match - lse_all, math.nan)
+
+
+def mix_cache(log_p_lm, log_p_cache, lam):
+    """log of (1 - lam) p_LM + lam p_cache, and p_LM alone where the cache is empty (nan)."""
+    mixed = torch.logaddexp(math.log1p(-lam) + log_p_lm, math.log(lam) + log_p_cache.nan_to_num(nan=-math.inf))
+    return torch.where(log_p_cache.isnan(), log_p_lm, mixed)
+
+
+@torch.no_grad()
+def score(model, hp, step, tokens, with_cache, theta_lambda=None):
+    """Sums over the slice's targets: nll, and over copyable targets; with_cache: the cache's nll for every
+    (theta, lambda) of the grid (theta_lambda: that pair only)."""
+    window = torch.tensor(tg.window_blocks(step, hp), dtype=torch.int32)
+    grid = [theta_lambda] if theta_lambda else [(t, lam) for t in THETAS for lam in LAMBDAS]
+    sums = {"n": 0, "nll": 0.0, "n_copy": 0, "nll_copy": 0.0, "cache": {g: [0.0, 0.0] for g in grid}}
+    for x, y, valid in rows_of(tokens, hp.val_seq_len, hp.bos_id):
+        stats = model(x, y, window, token_stats=True)
+        nll, copyable = stats["nll"].double() * valid, stats["copyable"] & valid
+        sums["n"] += int(valid.sum())
+        sums["nll"] += float(nll.sum())
+        sums["n_copy"] += int(copyable.sum())
+        sums["nll_copy"] += float((nll * copyable).sum())
+        if with_cache:
+            h, doc_ids = model.hidden_states(x, window)
+            log_p_lm = -nll
+            for theta in sorted({t for t, _ in grid}):
+                log_p_cache = cache_log_p(h, x, y, doc_ids, theta)
+                for t, lam in grid:
+                    if t == theta:
+                        c_nll = -mix_cache(log_p_lm, log_p_cache, lam) * valid
+                        sums["cache"][(t, lam)][0] += float(c_nll.sum())
+                        sums["cache"][(t, lam)][1] += float((c_nll * copyable).sum())
+    return sums
+
+
+def summary(sums):
+    n, n_copy = sums["n"], sums["n_copy"]
+    return {"loss": sums["nll"] / n, "copyable": sums["nll_copy"] / max(n_copy, 1),
+            "other": (sums["nll"] - sums["nll_copy"]) / max(n - n_copy, 1), "copy_share": n_copy / n, "tokens": n}
+
+
+def evaluate_checkpoint(path, test_start, test_tokens):
+    try:
+        model, hp, step = inference.load_model(path)
+    except tg.DataError as e:
+        raise EvalError(str(e))
+    model.attention_backend = model.cp_backend = "dense"
+    tuning, test, documents = slices(hp, test_start, test_tokens)
+    mode = mode_of(hp)
+    record = {"checkpoint": os.path.relpath(path, ROOT) if path.startswith(ROOT) else path, "run_id": hp.run_id,
+              "step": step, "mode": mode, "seed": hp.seed, "test_documents": documents}
+    test_sums = score(model, hp, step, test, with_cache=False)
+    record["test"] = summary(test_sums)
+    if mode == "vanilla":
+        tune = score(model, hp, step, tuning, with_cache=True)
+        best = min(tune["cache"], key=lambda g: tune["cache"][g][0])
+        cached = score(model, hp, step, test, with_cache=True, theta_lambda=best)["cache"][best]
+        record["cache"] = {"theta": best[0], "lambda": best[1], "tuning_loss": tune["cache"][best][0] / tune["n"],
+                           **summary({**test_sums, "nll": cached[0], "nll_copy": cached[1]})}
+    return record
+
+
+def markdown(records, command):
+    lines = [f"    {command}", "", "| run | step | mode | test loss | copyable | other | + neural cache "
+             "(theta, lambda) | cache: copyable | cache: other |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        t, c = r["test"], r.get("cache")
+        cache = (f"{c['loss']:.4f} ({c['theta']}, {c['lambda']}) | {c['copyable']:.4f} | {c['other']:.4f}"
+                 if c else "| |")
+        lines.append(f"| {r['run_id']} | {r['step']} | {r['mode']} | {t['loss']:.4f} | {t['copyable']:.4f} | "
+                     f"{t['other']:.4f} | {cache} |")
+    if records:
+        t = records[0]["test"]
+        lines += ["", f"Test slice: {t['tokens']} targets in {records[0]['test_documents']} whole documents, "
+                  f"{t['copy_share']:.1%} of them copyable."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = OneLineParser(prog="test_slice.py", description=__doc__.splitlines()[0])
+    p.add_argument("checkpoints", nargs="+", help="checkpoint files or run folders (logs/<run_id>/)")
+    p.add_argument("--test_start", type=int, default=65536)
+    p.add_argument("--test_tokens", type=int, default=262144)
+    p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.test_tokens < 1 or args.test_start < 0 or args.threads < 0:
+        p.error("--test_tokens must be >= 1, --test_start and --threads >= 0")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    try:
+        os.makedirs(folder, exist_ok=True)  # before hours of work: a bad --out fails now
+        if os.path.isdir(args.out + ".json") or os.path.isdir(args.out + ".md"):
+            raise EvalError(f"--out {args.out}: {args.out}.json or .md is a folder")
+    except OSError as e:
+        print(f"test_slice.py: error: --out {args.out}: {e.strerror}", file=sys.stderr)
+        return 1
+    except EvalError as e:
+        print(f"test_slice.py: error: {e}", file=sys.stderr)
+        return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = "python experiments/test_slice.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    records = []
+    try:
+        for path in expand(args.checkpoints):
+            records.append(evaluate_checkpoint(path, args.test_start, args.test_tokens))
+            print(json.dumps(records[-1]), flush=True)
+            for ext, text in ((".json", json.dumps({"command": command, "records": records}, indent=1)),
+                              (".md", markdown(records, command))):  # after each checkpoint: nothing lost
+                with open(args.out + ext + ".tmp", "w") as f:
+                    f.write(text)
+                os.replace(args.out + ext + ".tmp", args.out + ext)
+    except (EvalError, tg.DataError) as e:
+        print(f"test_slice.py: error: {e}", file=sys.stderr)
+        return 1
+    print(markdown(records, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Tests of experiments/test_slice.py: the held-out test slice and the neural-cache baseline (Grave et al. 2017)
+against an independent per-position oracle. `python3 -m pytest -q test_baselines.py` (seconds, CPU)."""
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt_cplm as tg
+from test_cplm import write_shard
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(ROOT, "experiments", "test_slice.py")
+BOS, VOCAB = 99, 100
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+sys.path.insert(0, os.path.dirname(SCRIPT))  # experiments/, as when the script runs: it imports experiments/cli.py
+_spec = importlib.util.spec_from_file_location("test_slice", SCRIPT)
+ts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ts)
+
+
+def cache_oracle(h, input_ids, target_ids, theta, lam, log_p_lm):
+    """Grave et al. 2017 as written, one position at a time in float64: the cache holds (h_i, x_{i+1}) for the
+    earlier positions i of t's document (a BOS starts one)."""
+    T = input_ids.size(0)
+    out = torch.empty(T, dtype=torch.float64)
+    for t in range(T):
+        start = max(i for i in range(t + 1) if input_ids[i] == BOS) if (input_ids[:t + 1] == BOS).any() else 0
+        keys = list(range(start, t))
+        if not keys:
+            out[t] = log_p_lm[t]
+            continue
+        weights = torch.stack([theta * h[t].double() @ h[i].double() for i in keys]).softmax(0)
+        p_cache = sum(float(w) for w, i in zip(weights, keys) if input_ids[i + 1] == target_ids[t])
+        out[t] = math.log((1 - lam) * math.exp(float(log_p_lm[t])) + lam * p_cache)
+    return out
+
+
+@pytest.mark.parametrize("theta,lam", [(0.3, 0.2), (0.0, 0.5), (2.0, 0.05)])
+def test_neural_cache_matches_the_formula(theta, lam):
+    g = torch.Generator().manual_seed(1)
+    T = 40
+    x = torch.randint(0, 6, (1, T + 1), generator=g)
+    x[0, 0], x[0, 17] = BOS, BOS  # two documents
+    ids, targets = x[:, :-1], x[:, 1:]
+    h = torch.randn(1, T, 8, generator=g)
+    log_p_lm = torch.rand(1, T, generator=g).log() - 1
+    doc_ids = tg.doc_ids_of(ids, BOS)
+    got = ts.mix_cache(log_p_lm.double(), ts.cache_log_p(h, ids, targets, doc_ids, theta), lam)
+    torch.testing.assert_close(got[0], cache_oracle(h[0], ids[0], targets[0], theta, lam, log_p_lm[0].double()))
+    assert torch.equal(got[0, [0, 17]], log_p_lm[0, [0, 17]].double())  # an empty cache leaves the LM alone
+
+
+def test_test_slice_is_whole_documents_past_the_tuning_slice(tmp_path):
+    tokens = []
+    rng = np.random.default_rng(0)
+    while len(tokens) < 3000:
+        tokens += [BOS] + rng.integers(0, 20, int(rng.integers(30, 90))).tolist()
+    write_shard(tmp_path / "v_val_000000.bin", tokens, vocab=VOCAB)
+    hp = tg.Hyperparameters(val_files=str(tmp_path / "v_val_*.bin"), vocab_size=VOCAB, bos_id=BOS, val_tokens=512)
+    tuning, test, documents = ts.slices(hp, 1000, 700)
+    assert torch.equal(tuning, torch.tensor(tokens[:513]))
+    begin = next(i for i in range(1000, len(tokens)) if tokens[i] == BOS)
+    end = next(i for i in range(begin + 700, len(tokens)) if tokens[i] == BOS)
+    assert torch.equal(test, torch.tensor(tokens[begin:end + 1]))
+    assert documents == tokens[begin:end].count(BOS)
+    with pytest.raises(ts.EvalError, match="past the tuning slice"):
+        ts.slices(hp, 100, 700)
+    with pytest.raises(ts.EvalError, match="--test_tokens 99999"):
+        ts.slices(hp, 1000, 99999)
+
+
+def test_padded_last_row_changes_no_real_position():
+    """A row shorter than val_seq_len is padded with BOS to whole blocks: the real positions score as unpadded."""
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=2, model_dim=32, num_heads=2,
+                                max_seq_len=256)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.1)
+    tokens = torch.tensor([BOS] + list(np.random.default_rng(2).integers(0, 20, 300)))
+    (x1, y1, v1), (x2, y2, v2), (x3, y3, v3) = ts.rows_of(tokens, 128, BOS)
+    assert x3.size(1) == 128 and int(v3.sum()) == 300 - 256 and v1.all() and v2.all()
+    assert torch.equal(x3[v3], tokens[256:300]) and (x3[~v3] == BOS).all()
+    other = x3.masked_fill(~v3, 7), y3.masked_fill(~v3, 7)  # whatever the padding holds
+    torch.testing.assert_close(model(x3, y3, token_stats=True)["nll"][v3], model(*other, token_stats=True)["nll"][v3],
+                               rtol=0, atol=1e-6)
+
+
+def tiny_checkpoint(folder, cplm):
+    hp = tg.parse_args(["--preset", "cpu", "--vocab_size", str(VOCAB), "--bos_id", str(BOS), "--num_layers", "2",
+                        "--model_dim", "32", "--num_heads", "2", "--seq_len", "128", "--val_seq_len", "128",
+                        "--batch_size", "128", "--val_tokens", "256", "--cplm", str(cplm), "--seed", "3",
+                        "--val_files", str(folder / "toy_val_*.bin"), "--run_id", f"tiny{cplm}",
+                        "--log_dir", str(folder / "logs")])
+    torch.manual_seed(hp.seed)
+    model = tg.GPT(tg.GPTConfig.from_args(hp))
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.1)
+    path = folder / "logs" / f"tiny{cplm}" / "state_step000002.pt"
+
+    class Loader:
+        def state(self):
+            return {"position": 0}
+    tg.save_checkpoint(str(path), model, tg.build_optimizers(model, hp, 0, 1), 2, Loader(), 0.0, hp, [])
+    return path
+
+
+def test_cli_scores_both_modes_and_tunes_the_cache_on_the_tuning_slice_only(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    tokens = []
+    while len(tokens) < 1400:
+        tokens += [BOS] + rng.integers(0, 12, int(rng.integers(40, 120))).tolist()
+    write_shard(tmp_path / "toy_val_000000.bin", tokens, vocab=VOCAB)
+    paths = [tiny_checkpoint(tmp_path, cplm) for cplm in (0, 1)]
+    out = tmp_path / "report" / "slice"
+    argv = [str(paths[0].parent), str(paths[1]), "--test_start", "400", "--test_tokens", "600", "--out", str(out)]
+    assert ts.main(argv) == 0
+    records = json.loads((tmp_path / "report" / "slice.json").read_text())["records"]
+    assert [(r["mode"], r["step"]) for r in records] == [("vanilla", 2), ("cplm", 2)]
+    vanilla, cplm = records
+    assert "cache" in vanilla and "cache" not in cplm
+    assert vanilla["cache"]["theta"] in ts.THETAS and vanilla["cache"]["lambda"] in ts.LAMBDAS
+    assert vanilla["test"]["tokens"] >= 600 and vanilla["test"]["tokens"] == cplm["test"]["tokens"]
+    # the tuned pair is the best on the tuning slice: scoring the tuning slice with every pair agrees
+    model = ts.inference.load_model(str(paths[0]))[0]
+    model.attention_backend = "dense"
+    hp = ts.inference.read_model_checkpoint(str(paths[0]))[0]
+    tuning, _, _ = ts.slices(hp, 400, 600)
+    sums = ts.score(model, hp, 2, tuning, with_cache=True)
+    best = min(sums["cache"], key=lambda g: sums["cache"][g][0])
+    assert (vanilla["cache"]["theta"], vanilla["cache"]["lambda"]) == best
+    assert "| tiny0 | 2 | vanilla |" in (tmp_path / "report" / "slice.md").read_text()
+    capsys.readouterr()
+    assert ts.main([str(tmp_path / "none.pt"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "none.pt: no such checkpoint file or run folder" in err
