@@ -138,3 +138,35 @@ def test_cli_scores_both_modes_and_tunes_the_cache_on_the_tuning_slice_only(tmp_
     assert ts.main([str(tmp_path / "none.pt"), "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "none.pt: no such checkpoint file or run folder" in err
+
+
+_lr_spec = importlib.util.spec_from_file_location("long_report", os.path.join(ROOT, "experiments", "long_report.py"))
+long_report = importlib.util.module_from_spec(_lr_spec)
+_lr_spec.loader.exec_module(long_report)
+
+
+def test_long_report_reads_resumed_logs_and_both_crossing_rules(tmp_path):
+    def log(path, losses, resumed_at=None):
+        lines = []
+        for step, loss in losses.items():
+            lines.append(f"step:{step}/90 val_loss:{loss:.4f} train_time:1ms step_avg:1.00ms")
+            lines.append(f"step:{step}/90 copy_share:0.5 nll_copyable:{loss - 1:.4f} nll_other:{loss + 1:.4f}")
+        if resumed_at is not None:  # a resumed run validates its checkpoint's step again: the last line wins
+            lines.append(f"resumed from x at step {resumed_at}")
+            lines.append(f"step:{resumed_at}/90 val_loss:{losses[resumed_at]:.4f} train_time:1ms step_avg:1.00ms")
+        path.write_text("\n".join(lines) + "\n")
+    log(tmp_path / "v.txt", {0: 9.0, 30: 6.0, 60: 5.0, 90: 4.5}, resumed_at=60)
+    log(tmp_path / "c.txt", {0: 9.0, 30: 5.5, 60: 4.9, 90: 5.1})  # back above vanilla's step-60 loss at 90
+    vanilla = long_report.read_log(str(tmp_path / "v.txt"))
+    assert sorted(vanilla) == [0, 30, 60, 90] and vanilla[60]["nll_other"] == 6.0
+    curve = {0: 9.0, 30: 5.5, 60: 4.9, 90: 5.1}
+    assert long_report.crossings(6.0, curve) == (30, 30)
+    assert long_report.crossings(5.0, curve) == (60, None)  # crossed at 60, not below from then on
+    assert long_report.crossings(4.5, curve) == (None, None)
+    out = tmp_path / "r"
+    assert long_report.main(["--vanilla", str(tmp_path / "v.txt"), "--cplm", str(tmp_path / "c.txt"),
+                             "--induction", str(tmp_path / "none.json"), "--test_slice", str(tmp_path / "none.json"),
+                             "--out", str(out)]) == 0
+    table = (tmp_path / "r.md").read_text()
+    assert "| 60 | 5.0000 | 4.9000 | 0.100 | 0.100 | 0.100 | - | 60 / not yet |" in table
+    assert "| 30 | 6.0000 | 5.5000 | 0.500 |" in table and "30 / 30 (1.00x / 1.00x)" in table

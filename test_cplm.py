@@ -120,6 +120,31 @@ def test_loader_reads_independently_written_shards(tmp_path):
         assert loader.next_batch("cpu")[0][0][0, 0] == 128 * rank  # 2560 + 513 > 3000: it starts over
 
 
+def test_data_seed_shuffles_documents_the_same_on_every_rank(tmp_path):
+    """--data_seed: each shard's documents in a seeded order (the leading partial document first), the same
+    for 1 and 2 ranks and on every construction; -1 leaves the stream as stored."""
+    rng = np.random.default_rng(0)
+    docs = [[BOS] + rng.integers(0, 60, int(rng.integers(5, 40))).tolist() for _ in range(120)]
+    stream = [7, 8, 9] + [t for d in docs for t in d]  # a shard that begins inside a document
+    write_shard(tmp_path / "d_train_000000.bin", stream)
+    pattern = str(tmp_path / "d_train_*.bin")
+
+    def rows(world, seed):
+        loaders = [tg.TrainLoader(pattern, 512, 128, r, world, VOCAB, BOS, seed) for r in range(world)]
+        out = []
+        for _ in range(3):
+            per_rank = [[x[0].tolist() for x, _ in loader.next_batch("cpu")] for loader in loaders]
+            out += [per_rank[i % world][i // world] for i in range(4)]  # row i of the step is rank i % world's
+        return out
+    assert rows(1, -1)[0] == stream[:128]
+    shuffled = rows(1, 5)
+    assert shuffled == rows(2, 5) == rows(1, 5) != rows(1, 6)
+    assert shuffled[0][:3] == [7, 8, 9] and shuffled != rows(1, -1)
+    tokens = tg.shuffle_documents(np.array(stream, dtype=np.uint16), BOS, (5, 0))
+    split = lambda seq: sorted(map(tuple, np.split(seq, np.flatnonzero(seq == BOS))))
+    assert split(tokens) == split(np.array(stream, dtype=np.uint16))  # the same documents, whole
+
+
 def test_loader_takes_shards_of_any_size_and_checks_them_all_first(tmp_path):
     """A remainder shard smaller than one batch is read through; a bad id or a truncated shard anywhere in
     the list stops the loader before the first step, naming the shard."""
@@ -787,6 +812,7 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     (["--preset", "cpu", "--no_attention_layer", "99"], "--no_attention_layer 99 is not a layer of a 4-layer model"),
     (["--copy_gate_init", "0.5", "--cplm", "0"], "--copy_gate_init sets the CP head's gate: it needs --cplm 1"),
     (["--copy_gate", "pointer"], "--copy_gate is lm or sentinel (got 'pointer')"),
+    (["--data_seed", "-2"], "--data_seed in [-1, 2^63)"),
     (["--copy_gate", "sentinel", "--cplm", "0"], "sentinel needs --cplm 1 and no --copy_gate_init"),
     (["--copy_gate", "sentinel", "--cplm", "1", "--copy_gate_init", "0.5"], "sentinel needs --cplm 1"),
     (["--preset", "cpu", "--cp_backend", "flex"], "--cp_backend flex needs a CUDA GPU"),
@@ -1724,7 +1750,7 @@ def test_race_configurations_are_valid_command_lines():
     assert byte_level.vocab_size < byte_level.model_dim  # the control's point: no softmax bottleneck
     # the prose race: the same learning-rate scales for both modes, rows of one length, validation every 5%
     for name, flags in race.PROSE_CONFIGS.items():
-        args = tg.parse_args(["--preset", "cpu", *flags])
+        args = tg.parse_args(["--preset", "cpu", *[("7" if x == "{seed}" else x) for x in flags]])
         scale = float(name.rsplit("_lr", 1)[1])
         assert args.lr_muon == pytest.approx(0.04 * scale) and args.lr_head == pytest.approx(0.008 * scale), name
         assert args.seq_len == args.val_seq_len and args.val_loss_every <= 0.05 * args.num_iterations
@@ -2181,6 +2207,38 @@ def test_race_checks_its_flags_before_building_corpora(argv, words, monkeypatch,
         race.main(argv)
     assert e.value.code == 2
     assert_one_line(capsys.readouterr().err, *words)
+
+
+def test_reordered_rows_train_on_their_seeds_own_data_order(tmp_path, monkeypatch):
+    race = _load_experiment("race")
+    for v in (8192, 2048, 32768, 257):
+        (tmp_path / f"data/prose{v}").mkdir(parents=True)
+        (tmp_path / f"data/prose{v}/prose{v}_val_000000.bin").write_bytes(b"")
+    monkeypatch.setattr(race, "ROOT", str(tmp_path))
+    monkeypatch.setattr(race, "best_scales", lambda log_dir: {"vanilla": "1", "cplm": "0.5"})
+    monkeypatch.setattr(race, "summarize", lambda *a: None)
+    monkeypatch.setattr(race.time, "sleep", lambda s: None)
+    started = []
+
+    class Done:
+        returncode = 0
+
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+
+        def poll(self):
+            return 0
+    monkeypatch.setattr(race.subprocess, "Popen", Done)
+    argv = ["--study", "prose", "--stage", "rows", "--only", "cplm_reordered,sentinel", "--seeds", "3,4"]
+    assert race.main(argv) == 0
+    flags = {(cmd[cmd.index("--run_id") + 1]): cmd for cmd in started}
+    assert set(flags) == {f"prose_{row}_lr0.5_s{s}" for row in ("cplm_reordered", "sentinel") for s in (3, 4)}
+    for s in (3, 4):
+        cmd = flags[f"prose_cplm_reordered_lr0.5_s{s}"]
+        assert cmd[cmd.index("--data_seed") + 1] == cmd[cmd.index("--seed") + 1] == str(s)
+        assert "--data_seed" not in flags[f"prose_sentinel_lr0.5_s{s}"]
+        sentinel = flags[f"prose_sentinel_lr0.5_s{s}"]
+        assert sentinel[sentinel.index("--copy_gate") + 1] == "sentinel"
 
 
 def test_race_stops_when_the_tokenizer_fails(tmp_path, monkeypatch, capfd):

@@ -148,6 +148,7 @@ def test_first_call_dry_run_reports_through_a_failure_and_a_hang(tmp_path):
         (data / f"toy_{split}_000000.bin").write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
     out = tmp_path / "out"
     deadline = 90
+    locks = set(__import__("glob").glob("/tmp/cplm_gpu_turn_*.lock"))
     t0 = __import__("time").monotonic()
     r = __import__("subprocess").run(
         [sys.executable, "records/gpu/first_call.py", "--dry_run", "--out", str(out), "--data", str(data),
@@ -157,6 +158,7 @@ def test_first_call_dry_run_reports_through_a_failure_and_a_hang(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert elapsed < deadline
     assert sorted(os.listdir(out)) == ["logs.tar.gz", "report.txt"]  # within the device tool's 8 files
+    assert set(__import__("glob").glob("/tmp/cplm_gpu_turn_*.lock")) <= locks  # its lock file removed
     report = (out / "report.txt").read_text()
     assert "bf16 GEMM 512^3:" in report and "FP8 _scaled_mm smoke test: relative error" in report
     assert "cplm: exit 7 -- injected failure before warm-up" in report

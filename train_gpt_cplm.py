@@ -93,6 +93,7 @@ class Hyperparameters:
     train_loss_every: int = 0  # > 0: log the train loss every this many steps (a host sync; the record logs none)
     target_val_loss: float = 0.0  # > 0: stop at the first validation at or below it
     seed: int = 0  # initial weights
+    data_seed: int = -1  # >= 0: the train documents of each shard in an order shuffled by this seed; -1: as stored
     run_id: str = ""  # log name; default: a fresh uuid
     log_dir: str = "logs"  # where logs and checkpoints go
     compile: int = -1  # torch.compile the model and Newton-Schulz; -1: on CUDA only
@@ -222,7 +223,8 @@ def check_args(a: Hyperparameters):
         f"--{k} {v}" for k, v in lrs.items() if not 0 <= v < math.inf))
     need(0 <= a.muon_momentum < 1, "--muon_momentum must lie in [0, 1)")
     need(a.muon_momentum_warmup_steps >= 0, "--muon_momentum_warmup_steps must be >= 0")
-    need(0 <= a.seed < 2 ** 63, "--seed must lie in [0, 2^63)")
+    need(0 <= a.seed < 2 ** 63 and -1 <= a.data_seed < 2 ** 63,
+         "--seed must lie in [0, 2^63), --data_seed in [-1, 2^63)")
     intervals = ("val_loss_every", "train_loss_every", "checkpoint_every", "warmup_steps", "target_val_loss")
     need(all(getattr(a, f) >= 0 for f in intervals), "must be >= 0: " + ", ".join(
         f"--{f} {getattr(a, f)}" for f in intervals if getattr(a, f) < 0))
@@ -321,12 +323,14 @@ class TrainLoader:
     row i of the batch (seq_len + 1 tokens) goes to rank i % world_size, micro-step i // world_size, so 1,
     2, 4 or 8 ranks train on exactly the same data. Every shard is checked when the loader is made."""
 
-    def __init__(self, pattern, batch_size, seq_len, rank, world_size, vocab_size):
+    def __init__(self, pattern, batch_size, seq_len, rank, world_size, vocab_size, bos_id=None, data_seed=-1):
         self.files = find_shards(pattern)
         self.shards = [load_shard(path, vocab_size) for path in self.files]
         if vocab_size is not None:
             for path, tokens in zip(self.files, self.shards):
                 check_token_range(tokens, vocab_size, path)
+        if data_seed >= 0:  # another data order: seeds then differ in data as well as in initial weights
+            self.shards = [shuffle_documents(tokens, bos_id, (data_seed, i)) for i, tokens in enumerate(self.shards)]
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])  # where each shard starts in the stream
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         if self.offsets[-1] < batch_size + 1:
@@ -718,7 +722,8 @@ class GPT(nn.Module):
         self.cp_head = CopyPasteHead(D, c.cp_dim) if c.cplm else None
         self.copy_logit_bias = None  # the pointer sentinel has no <copy> gate
         if c.cplm and c.copy_gate == "lm":  # a bias on the <copy> logit; the zero-initialised head makes every
-            # logit equal at step 0, so c = copy_gate_init there (0: no bias, c = 1 / padded vocab, the paper's closed gate)
+            # logit equal at step 0, so c = copy_gate_init there (0: no bias, c = 1 / padded vocab: the paper's
+            # closed gate)
             c_init = c.copy_gate_init or 1 / V
             self.copy_logit_bias = nn.Parameter(torch.tensor(math.log(c_init / (1 - c_init)) + math.log(V - 1)))
         # "flex" (FlexAttention kernels, CUDA) or "dense" (masked SDPA and chunked dense CP sums, any device)
@@ -1199,6 +1204,17 @@ def lr_multiplier(step, a: Hyperparameters):
     return w + (1 - w) * 0.1
 
 
+def shuffle_documents(tokens: np.ndarray, bos_id: int, seed) -> np.ndarray:
+    """The shard's documents (each from its BOS to the next) in a seeded random order; tokens before the first
+    BOS (the tail of a document begun in the shard before) stay first. The same order on every rank and resume."""
+    starts = np.flatnonzero(tokens == bos_id)
+    if len(starts) < 2:
+        return tokens
+    documents = np.split(tokens[starts[0]:], starts[1:] - starts[0])
+    order = np.random.default_rng(list(seed)).permutation(len(documents))
+    return np.concatenate([tokens[:starts[0]], *(documents[i] for i in order)])
+
+
 def window_blocks(step, a: Hyperparameters):
     """The long layers' sliding window in 128-token blocks: attn_window_start + (attn_window - attn_window_start)
     x (the fraction of training done) tokens, rounded up to whole blocks, at least one. The speedrun's
@@ -1569,7 +1585,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
                              f"divisible by {world_size} processes: pass --batch_size")
     # data first: every shard is checked (header, size, token ids) before any model is built
     a = resolve_vocabulary(a)
-    loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size)
+    loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size, a.bos_id, a.data_seed)
     val_tokens = load_val_tokens(a.val_files, a.val_tokens, a.vocab_size)
     grad_accum = a.batch_size // a.seq_len // world_size
     if checkpoint is not None:

@@ -91,6 +91,9 @@ PROSE_ROWS = {
     "cplm": ("cplm", ["--cplm", "1"] + PROSE),
     # the pointer-sentinel baseline (Merity et al. 2016): the same CP head, gated by its sink alone
     "sentinel": ("cplm", ["--cplm", "1", "--copy_gate", "sentinel"] + PROSE),
+    # the headline pair with a data order of each seed's own ({seed}: the run's seed), so seeds vary the data too
+    "vanilla_reordered": ("vanilla", ["--cplm", "0", "--data_seed", "{seed}"] + PROSE),
+    "cplm_reordered": ("cplm", ["--cplm", "1", "--data_seed", "{seed}"] + PROSE),
     "cplm_open": ("cplm", ["--cplm", "1", "--copy_gate_init", "0.5"] + PROSE),
     "cplm_stopgrad": ("cplm", ["--cplm", "1", "--cp_stop_grad", "1"] + PROSE),
     **{f"v{V}_{mode}": (mode, ["--cplm", str(int(mode == "cplm"))] + prose_data(V) + PROSE_BUDGET)
@@ -237,7 +240,8 @@ def main(argv=None):
         if not finished(os.path.join(ROOT, log_dir, run_id + ".txt")):
             # the prose study sets its own budget; RACE_FLAGS after it would cut it to 100 steps
             budget = [] if args.study == "prose" else RACE_FLAGS
-            queue.append([sys.executable, "train_gpt_cplm.py", "--preset", "cpu", *budget, *configs[name],
+            flags = [seed if x == "{seed}" else x for x in configs[name]]
+            queue.append([sys.executable, "train_gpt_cplm.py", "--preset", "cpu", *budget, *flags,
                           "--seed", seed, "--run_id", run_id, "--log_dir", log_dir, *args.extra,
                           *continuation(log_dir, run_id)])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

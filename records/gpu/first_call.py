@@ -23,6 +23,7 @@ out. --dry_run does all of it on the CPU at a tiny size (the test suite runs it,
 one made to hang).
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -365,8 +366,10 @@ def main(argv=None):
         run_jobs(jobs, deadline, report, on_exit=fallback, hold=hold)
         hold.close()
         finish(args, report, jobs, deadline, dense if fell_back else [])
-    finally:  # whatever happened above, the logs go back packed
+    finally:  # whatever happened above, the logs go back packed, and the lock file goes
         pack(args, report)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
     return 0
 
 
