@@ -441,3 +441,11 @@ def test_mean_ablation_replaces_a_head_by_its_mean_over_the_inputs_positions():
         assert abs(mean_ablated - mech.in_context_loss(model, ids, 8)[1]) < 1e-5
     finally:
         handle.remove()
+
+
+def test_a_pointer_sentinel_model_is_refused_in_one_line():
+    """The studies read the paper's <copy> gate c; a --copy_gate sentinel model has none."""
+    hp = tg.parse_args(["--preset", "cpu", "--vocab_size", str(VOCAB), "--bos_id", str(BOS), "--num_layers", "2",
+                        "--model_dim", "32", "--num_heads", "2", "--cplm", "1", "--copy_gate", "sentinel"])
+    with pytest.raises(mech.CheckpointError, match="pointer-sentinel model"):
+        mech.build_model(mech.Entry("s", 0, hp, None))

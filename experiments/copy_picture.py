@@ -151,6 +151,11 @@ def main(argv=None):
             print(f"copy_picture.py: error: {args.checkpoint} is a vanilla checkpoint: it has no CP head "
                   "(pass one trained with --cplm 1)", file=sys.stderr)
             return 2
+        if a.copy_gate != "lm":
+            print(f"copy_picture.py: error: {args.checkpoint} is a pointer-sentinel checkpoint (--copy_gate "
+                  f"{a.copy_gate}): the picture reads the paper's <copy> gate c, which it does not have",
+                  file=sys.stderr)
+            return 2
         codec = codec_for(a, args.tokenizer)
         try:
             text = open(args.text, encoding="utf-8").read()

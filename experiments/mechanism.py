@@ -182,6 +182,9 @@ def build_model(entry: Entry):
             model = inference.load_model(entry.path)[0]
         except tg.DataError as e:
             raise CheckpointError(str(e))
+    if model.config.copy_gate != "lm":
+        raise CheckpointError(f"{entry.path}: a pointer-sentinel model (--copy_gate {model.config.copy_gate}): these "
+                              "studies read the paper's <copy> gate, which it does not have")
     model.attention_backend = model.cp_backend = "dense"  # FlexAttention only where it is compiled for CUDA
     return model
 

@@ -251,6 +251,9 @@ def main(argv=None):
         return 1
     try:
         _, a, step = inference.load_model(args.checkpoint)
+        if a.copy_gate != "lm":
+            raise tg.DataError(f"{args.checkpoint} is a pointer-sentinel checkpoint (--copy_gate {a.copy_gate}): "
+                               "the needle test reads the paper's <copy> gate c, which it does not have")
         contexts = args.contexts or [m * a.seq_len for m in (1, 2, 4, 8, 16)]
         model, a, step = inference.load_model(args.checkpoint, max_seq_len=tg.next_multiple(max(contexts) + 16, tg.BLOCK))
         codec = codec_for(a, args.tokenizer)
