@@ -199,7 +199,7 @@ class InferenceCache:
         q = model.cp_head.w_q(h)
         return cplm_log_probs(logits, q, self.cp_keys, model.cp_head.sink_key, self.cp_ids, copy_id,
                               allowed=torch.ones(1, 1, self.cp_keys.size(1), dtype=torch.bool, device=h.device),
-                              gate=model.config.copy_gate)
+                              gate=model.config.copy_gate, sink_bias=model.sink_bias)
 
     def nbytes(self) -> dict:
         """Bytes the cache holds now: attention keys and values, CP keys, CP token ids."""

@@ -121,12 +121,15 @@ def test_loader_reads_independently_written_shards(tmp_path):
 
 
 def test_data_seed_shuffles_documents_the_same_on_every_rank(tmp_path):
-    """--data_seed: each shard's documents in a seeded order (the leading partial document first), the same
-    for 1 and 2 ranks and on every construction; -1 leaves the stream as stored."""
+    """--data_seed: the stream's documents in a seeded order (the leading partial document first, a document
+    across a shard boundary kept whole), the same for 1 and 2 ranks and on every construction; -1 leaves the
+    stream as stored."""
     rng = np.random.default_rng(0)
     docs = [[BOS] + rng.integers(0, 60, int(rng.integers(5, 40))).tolist() for _ in range(120)]
-    stream = [7, 8, 9] + [t for d in docs for t in d]  # a shard that begins inside a document
-    write_shard(tmp_path / "d_train_000000.bin", stream)
+    stream = [7, 8, 9] + [t for d in docs for t in d]  # begins inside a document
+    cut = stream.index(BOS, 1000) + 3  # the second shard begins inside a document
+    write_shard(tmp_path / "d_train_000000.bin", stream[:cut])
+    write_shard(tmp_path / "d_train_000001.bin", stream[cut:])
     pattern = str(tmp_path / "d_train_*.bin")
 
     def rows(world, seed):
@@ -140,8 +143,9 @@ def test_data_seed_shuffles_documents_the_same_on_every_rank(tmp_path):
     shuffled = rows(1, 5)
     assert shuffled == rows(2, 5) == rows(1, 5) != rows(1, 6)
     assert shuffled[0][:3] == [7, 8, 9] and shuffled != rows(1, -1)
-    tokens = tg.shuffle_documents(np.array(stream, dtype=np.uint16), BOS, (5, 0))
-    split = lambda seq: sorted(map(tuple, np.split(seq, np.flatnonzero(seq == BOS))))
+    loader = tg.TrainLoader(pattern, 512, 128, 0, 1, VOCAB, BOS, 5)
+    tokens = loader.read(0, loader.offsets[-1])
+    split = lambda seq: sorted(map(tuple, np.split(seq, np.flatnonzero(seq == BOS))))  # noqa: E731
     assert split(tokens) == split(np.array(stream, dtype=np.uint16))  # the same documents, whole
 
 
@@ -308,7 +312,7 @@ def test_reference_matches_oracle_and_is_a_distribution():
     torch.testing.assert_close(ref.double(), oracle_log_probs(logits, q, k, sink, ids, copy_id), atol=2e-5, rtol=1e-5)
 
 
-def pointer_sentinel_oracle(lm_logits, q, k, sink_key, input_ids, copy_id):
+def pointer_sentinel_oracle(lm_logits, q, k, sink_key, input_ids, copy_id, sink_bias=0.0):
     """Merity et al. 2016, one position at a time in float64: the pointer softmax over the context and a
     sentinel, g = the sentinel's share; p = g p_vocab + (1 - g) p_ptr, p_vocab the LM's softmax over every slot
     but <copy>, p_ptr the pointer softmax over the context alone."""
@@ -320,7 +324,7 @@ def pointer_sentinel_oracle(lm_logits, q, k, sink_key, input_ids, copy_id):
             z[copy_id] = -math.inf
             p_vocab = z.softmax(-1)
             context = q[b, t].double() @ k[b, :t + 1].double().T / math.sqrt(q.size(-1))
-            sentinel = q[b, t].double() @ sink_key.double() / math.sqrt(q.size(-1))
+            sentinel = q[b, t].double() @ sink_key.double() / math.sqrt(q.size(-1)) + sink_bias
             g = torch.cat([context, sentinel[None]]).softmax(-1)[-1]
             p_ptr = torch.zeros(V, dtype=torch.float64).index_add_(0, input_ids[b, :t + 1], context.softmax(-1))
             out[b, t] = (g * p_vocab + (1 - g) * p_ptr).log()
@@ -329,14 +333,16 @@ def pointer_sentinel_oracle(lm_logits, q, k, sink_key, input_ids, copy_id):
 
 def test_sentinel_reference_matches_the_pointer_sentinel_formula():
     logits, q, k, sink, ids, copy_id = random_mixture_inputs(seed=4)
-    ref = tg.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel")
+    bias = torch.tensor(0.7)
+    ref = tg.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel", sink_bias=bias)
     assert torch.isneginf(ref[..., copy_id]).all()
     torch.testing.assert_close(ref.logsumexp(-1), torch.zeros(ref.shape[:2]), atol=1e-5, rtol=0)
-    oracle = pointer_sentinel_oracle(logits, q, k, sink, ids, copy_id)
+    oracle = pointer_sentinel_oracle(logits, q, k, sink, ids, copy_id, sink_bias=0.7)
     torch.testing.assert_close(ref.double(), oracle, atol=2e-5, rtol=1e-5)
     # the <copy> logit plays no part: the sentinel alone gates
     logits[..., copy_id] += 7
-    torch.testing.assert_close(tg.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel"), ref)
+    again = tg.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel", sink_bias=bias)
+    torch.testing.assert_close(again, ref)
 
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
@@ -345,19 +351,21 @@ def test_sentinel_fast_loss_matches_reference_values_and_gradients(softcap):
     ids[0, 17] = 3  # a second document in row 0
     targets = torch.randint(0, 12, ids.shape, generator=torch.Generator().manual_seed(7))
     targets[1, :4] = 30  # never in the context
-    inputs = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
+    inputs = [x.clone().requires_grad_() for x in (logits, q, k, sink, torch.tensor(-0.4))]
     doc_ids = tg.doc_ids_of(ids, 3)
     allowed = torch.ones(40, 40, dtype=torch.bool).tril() & (doc_ids[:, :, None] == doc_ids[:, None, :])
-    ref = tg.cplm_log_probs(tg.soft_cap(inputs[0], softcap), *inputs[1:], ids, copy_id, allowed, gate="sentinel")
+    ref = tg.cplm_log_probs(tg.soft_cap(inputs[0], softcap), *inputs[1:4], ids, copy_id, allowed, gate="sentinel",
+                            sink_bias=inputs[4])
     ref = ref.gather(-1, targets[..., None])[..., 0]
     ref_grads = torch.autograd.grad(ref.sum(), inputs)
-    inputs2 = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
+    inputs2 = [x.clone().requires_grad_() for x in (logits, q, k, sink, torch.tensor(-0.4))]
     copyable = tg.target_in_context(ids, targets, doc_ids, logits.size(-1))
-    fast = tg.cplm_target_log_prob(*inputs2, ids, targets, doc_ids, copyable, copy_id, softcap=softcap, chunk=5,
-                                   gate="sentinel")
+    fast = tg.cplm_target_log_prob(*inputs2[:4], ids, targets, doc_ids, copyable, copy_id, inputs2[4], softcap=softcap,
+                                   chunk=5, gate="sentinel")
     torch.testing.assert_close(fast["log_p"], ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast["lam"], 1 - fast["s"])
-    for name, a, b in zip(["logits", "q", "k", "sink"], torch.autograd.grad(fast["log_p"].sum(), inputs2), ref_grads):
+    names = ["logits", "q", "k", "sink", "sink bias"]
+    for name, a, b in zip(names, torch.autograd.grad(fast["log_p"].sum(), inputs2), ref_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
 
 
@@ -422,10 +430,12 @@ def test_vanilla_cpu_loss_is_the_record_loss_bit_for_bit(rows, vocab, cap, chunk
     record = tg.vanilla_nll(u, y, cap)
     chunked = tg.VanillaLossCPU.apply(u, y, cap, chunk)
     assert torch.equal(record, chunked)
-    # upstream 1 (one process, no accumulation), 1/2 (the cpu preset's 2 micro-steps), anything else, and again
-    for upstream in (1.0, 0.5, 0.37, 0.37):
-        assert torch.equal(*(torch.autograd.grad(loss * upstream, u, retain_graph=True)[0]
-                             for loss in (record, chunked))), upstream
+    # upstream 1 (one process, no accumulation), 1/2 (the cpu preset's 2 micro-steps), anything else, and again:
+    # every gradient kept until the end, so a later backward that rewrote an earlier one's memory would show
+    upstreams = (1.0, 0.5, 0.37, 0.37)
+    got = [torch.autograd.grad(chunked * x, u, retain_graph=True)[0] for x in upstreams]
+    for x, grad in zip(upstreams, got):
+        assert torch.equal(grad, torch.autograd.grad(record * x, u, retain_graph=True)[0]), x
 
 
 def test_vanilla_cpu_training_uses_the_lean_loss_and_keeps_the_record_gradient():
@@ -443,6 +453,8 @@ def test_vanilla_cpu_training_uses_the_lean_loss_and_keeps_the_record_gradient()
     assert torch.equal(loss, record)
     for a, b in zip(grads, torch.autograd.grad(record, list(model.parameters()))):
         assert torch.equal(a, b)
+    with torch.no_grad():  # no gradient wanted: the same mean, no gradient made
+        assert torch.equal(model(ids[:, :-1], ids[:, 1:]), record)
 
 
 def test_packed_documents_equal_separate_rows():
@@ -530,6 +542,7 @@ def test_model_loss_token_stats_and_log_probs_agree(cplm):
     gate = {"copy_gate": "sentinel"} if cplm == "sentinel" else {"copy_gate_init": 0.3} if cplm else {}
     model = tiny_model(int(bool(cplm)), **gate)
     assert (model.copy_logit_bias is None) == (cplm != 1)  # the pointer sentinel has no <copy> gate
+    assert (model.sink_bias is None) == (cplm != "sentinel")  # but a bias on its sink's score
     ids = torch.tensor(toy_corpus(129, 3)[1:])[None]
     ids = torch.cat([torch.tensor([[BOS]]), ids[:, :127]], 1)  # one document
     targets = torch.cat([ids[:, 1:], torch.tensor([[ids[0, 3]]])], 1)
@@ -558,6 +571,18 @@ def test_at_step_0_only_the_heads_get_a_gradient(cplm):
     heads = {"lm_head.weight", "copy_logit_bias", "cp_head.w_q.weight"}
     for name, p in model.named_parameters():
         assert (p.grad.abs().sum() > 0) == (name in heads), name
+
+
+def test_the_pointer_sentinel_starts_closed_as_cplm_does():
+    """As built, lam <= 1 / padded vocab at every position at step 0 in both gates (CPLM: c = 1 / V; the
+    sentinel: the sink's score bias log(T V) against context scores that W_Q = 0 makes 0)."""
+    ids = torch.tensor(toy_corpus(257, 8))[None]
+    for gate in ("lm", "sentinel"):
+        torch.manual_seed(0)
+        model = tg.GPT(tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=2, model_dim=32, num_heads=2,
+                                    max_seq_len=256, cplm=1, copy_gate=gate))
+        lam = model(ids[:, :-1], ids[:, 1:], token_stats=True)["lam"]
+        assert 0 < lam.max() <= 1 / model.config.padded_vocab, gate
 
 
 def test_cplm_adds_only_the_cp_head_and_stop_grad_cuts_its_gradient():

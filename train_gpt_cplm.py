@@ -93,7 +93,7 @@ class Hyperparameters:
     train_loss_every: int = 0  # > 0: log the train loss every this many steps (a host sync; the record logs none)
     target_val_loss: float = 0.0  # > 0: stop at the first validation at or below it
     seed: int = 0  # initial weights
-    data_seed: int = -1  # >= 0: the train documents of each shard in an order shuffled by this seed; -1: as stored
+    data_seed: int = -1  # >= 0: the train documents in an order shuffled by this seed; -1: as stored (the record)
     run_id: str = ""  # log name; default: a fresh uuid
     log_dir: str = "logs"  # where logs and checkpoints go
     compile: int = -1  # torch.compile the model and Newton-Schulz; -1: on CUDA only
@@ -329,8 +329,9 @@ class TrainLoader:
         if vocab_size is not None:
             for path, tokens in zip(self.files, self.shards):
                 check_token_range(tokens, vocab_size, path)
-        if data_seed >= 0:  # another data order: seeds then differ in data as well as in initial weights
-            self.shards = [shuffle_documents(tokens, bos_id, (data_seed, i)) for i, tokens in enumerate(self.shards)]
+        if data_seed >= 0:  # another data order: seeds then differ in data as well as in initial weights. The
+            # stream's documents are shuffled as a whole (one crosses a shard boundary), in memory: 2 bytes a token
+            self.shards = [shuffle_documents(np.concatenate(self.shards), bos_id, data_seed)]
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])  # where each shard starts in the stream
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         if self.offsets[-1] < batch_size + 1:
@@ -720,7 +721,10 @@ class GPT(nn.Module):
         # the record's FP8 scales for x, W and the gradient (chosen for a zero-initialised 768 x 50304 head)
         self.lm_head = CastedLinear(D, V, zero_init=True, fp8_scales=(2.0, 2.0 ** 9, 2.0 ** 19) if c.fp8_head else None)
         self.cp_head = CopyPasteHead(D, c.cp_dim) if c.cplm else None
-        self.copy_logit_bias = None  # the pointer sentinel has no <copy> gate
+        self.copy_logit_bias = self.sink_bias = None
+        if c.cplm and c.copy_gate == "sentinel":  # the pointer sentinel starts closed too: a bias on the sink's
+            # score, so lam = 1 - s <= 1 / padded vocab at step 0 (W_Q = 0 there: every other score is 0)
+            self.sink_bias = nn.Parameter(torch.tensor(math.log(c.max_seq_len * V)))
         if c.cplm and c.copy_gate == "lm":  # a bias on the <copy> logit; the zero-initialised head makes every
             # logit equal at step 0, so c = copy_gate_init there (0: no bias, c = 1 / padded vocab: the paper's
             # closed gate)
@@ -729,6 +733,10 @@ class GPT(nn.Module):
         # "flex" (FlexAttention kernels, CUDA) or "dense" (masked SDPA and chunked dense CP sums, any device)
         self.attention_backend = "flex" if torch.cuda.is_available() else "dense"
         self.cp_backend = self.attention_backend if c.cp_backend == "auto" else c.cp_backend
+
+    @property
+    def gate_bias(self):  # the gate's learnable bias: on the <copy> logit, or (pointer sentinel) on the sink's score
+        return self.copy_logit_bias if self.sink_bias is None else self.sink_bias
 
     def hidden_states(self, input_ids, window_blocks=None):
         """Final normed hidden states h (B, T, D) and the document ids. window_blocks: the long layers'
@@ -763,18 +771,22 @@ class GPT(nn.Module):
         cap = self.config.logit_softcap
         # CPU evaluation computes the head 1024 positions at a time: its (T, V) tensors then fit the holes that
         # training's leave in the heap (use_heap_for_large_tensors), so validation adds nothing to the peak
-        pieces = [slice(lo, lo + 1024) for lo in range(0, h.size(1), 1024)] if token_stats and not h.is_cuda else None
+        on_cpu = h.device.type == "cpu"
+        pieces = [slice(lo, lo + 1024) for lo in range(0, h.size(1), 1024)] if token_stats and on_cpu else None
         head_out = self.lm_head(h) if pieces is None else None
         copyable = None  # vanilla training never needs it: no sort on that hot path
         if self.cp_head is not None or token_stats:
             copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
         if self.cp_head is None:
-            if pieces is None and self.config.padded_vocab > 4096 and not (
-                    token_stats or h.is_cuda or torch.compiler.is_compiling()):
-                nll = VanillaLossCPU.apply(head_out, target_ids, cap)  # eager CPU training: lean, same bits
+            # eager CPU training: the record's loss in chunks of rows (VanillaLossCPU), the same bits
+            lean = on_cpu and not (token_stats or torch.compiler.is_compiling()) and self.config.padded_vocab > 4096
+            if lean and torch.is_grad_enabled() and head_out.requires_grad:
+                nll = VanillaLossCPU.apply(head_out, target_ids, cap)
+            elif lean:
+                nll = VanillaLossCPU.mean(VanillaLossCPU.token_nll(head_out, target_ids, cap))
             elif pieces is None:
                 nll = vanilla_nll(head_out, target_ids, cap, reduction="none" if token_stats else "mean")
-            else:  # evaluation: per-token nll, each piece's loss in chunks of rows as training's
+            else:  # CPU evaluation: per-token nll, each piece in chunks of rows
                 nll = torch.cat([VanillaLossCPU.token_nll(self.lm_head(h[:, p]), target_ids[:, p], cap)
                                  for p in pieces])
             stats = {"nll": nll.view_as(target_ids) if token_stats else nll}
@@ -784,7 +796,7 @@ class GPT(nn.Module):
                 LMHeadTermsCPU.apply(self.lm_head(h[:, p]), target_ids[:, p], self.config.copy_id, cap)
                 for p in pieces))]
             stats = cplm_target_log_prob(head_out, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
-                                         self.config.copy_id, self.copy_logit_bias, cap, backend=self.cp_backend,
+                                         self.config.copy_id, self.gate_bias, cap, backend=self.cp_backend,
                                          gate=self.config.copy_gate,
                                          chunk=self.config.cp_chunk or (4096 if h.is_cuda else 512), head_terms=terms)
             stats["nll"] = -stats.pop("log_p")
@@ -810,7 +822,8 @@ class GPT(nn.Module):
         T = input_ids.size(-1)
         causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
         allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
-        return cplm_log_probs(logits, q, k, sink_key, input_ids, self.config.copy_id, allowed, self.config.copy_gate)
+        return cplm_log_probs(logits, q, k, sink_key, input_ids, self.config.copy_id, allowed, self.config.copy_gate,
+                              self.sink_bias)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -818,13 +831,13 @@ class GPT(nn.Module):
 #   c = p_full(<copy>) from the LM head, s = the sink's share of the CP softmax; all in log space.
 
 
-def cplm_log_probs(lm_logits, q, k, sink_key, key_ids, copy_id, allowed=None, gate="lm"):
+def cplm_log_probs(lm_logits, q, k, sink_key, key_ids, copy_id, allowed=None, gate="lm", sink_bias=None):
     """Dense reference of the mixture: log p(v) for every slot, (B, T, Vp) float32, <copy> at -inf.
     lm_logits (B, T, Vp) after the soft-cap; q (B, T, d) at the T positions scored; k (B, S, d) and
     key_ids (B, S) at the positions they may copy from; sink_key (d,). allowed (B, T, S) bool says which
     keys each query sees (every query must see at least one); None: S = T, one document, position t copies
     from every tau <= t. gate "sentinel": p = s p_vocab + (1 - s) p_ptr, the pointer sentinel (p_vocab the
-    softmax without <copy>). Builds (T, S) and (T, Vp) tensors: for tests, evaluation and sampling, not for
+    softmax without <copy>), sink_bias added to the sink's score. Builds (T, S) and (T, Vp) tensors: for tests, evaluation and sampling, not for
     training."""
     B, T, Vp = lm_logits.shape
     S = k.size(1)
@@ -837,7 +850,7 @@ def cplm_log_probs(lm_logits, q, k, sink_key, key_ids, copy_id, allowed=None, ga
     if allowed is None:
         allowed = torch.ones(T, S, dtype=torch.bool, device=z.device).tril()
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-    a_sink = q @ sink_key * scale
+    a_sink = q @ sink_key * scale + (0 if sink_bias is None else sink_bias.float())
     lse_all = torch.logaddexp(scores.logsumexp(-1), a_sink)
     log_s = a_sink - lse_all
     # copy mass per token: sum of alpha_t(tau) over tau with x_tau = v, computed relative to the row max
@@ -945,8 +958,10 @@ class VanillaLossCPU(torch.autograd.Function):
     fragmented the CPU heap (peak 3.8-4.6 GB against 1.7). The forward also makes each chunk's gradient for an
     upstream gradient of 1, while the chunk is in cache; the backward scales it by a power of two (exact: the
     training loop's 1 / grad_accum) or, for any other upstream gradient, recomputes the chunks. Bit for bit only
-    where V > 4096: below, the CPU softmax kernels group rows (32 KiB at a time) and a chunk edge inside a
-    group moves the last bit of a row or two; the (N, V) tensors are small there anyway."""
+    where V > 4096 (below, the CPU softmax kernels group rows 32 KiB at a time, and a chunk edge inside a group
+    moves the last bit of a row or two; the (N, V) tensors are small there anyway) and where the elementwise
+    kernels' split over threads falls on whole vectors in both (1, 2 and 4 threads at the cpu preset's shapes;
+    with 3, 5 or 6 a few gradient entries can differ in the last bit, ~1e-13)."""
 
     @staticmethod
     def forward(ctx, head_out, target_ids, softcap, chunk=32):
@@ -954,20 +969,26 @@ class VanillaLossCPU(torch.autograd.Function):
         grad = torch.empty_like(u) if ctx.needs_input_grad[0] else None
         nll = VanillaLossCPU.chunks(u, t, softcap, chunk, grad, torch.ones((), device=u.device))
         ctx.save_for_backward(u, t)
-        ctx.grad = grad  # not saved_tensors: the backward may rewrite it in place (their version check would refuse)
+        ctx.grad = grad  # handed over once (not saved_tensors, which would keep it alive after the backward)
         ctx.softcap, ctx.chunk, ctx.shape = softcap, chunk, head_out.shape
-        return F.nll_loss(-nll[:, None], torch.zeros_like(t))  # the mean, summed in cross_entropy's own order
+        return VanillaLossCPU.mean(nll)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        (u, t), grad = ctx.saved_tensors, ctx.grad
+        (u, t), grad, ctx.grad = ctx.saved_tensors, ctx.grad, None
         # not a power of two (scaling would round) or a second backward (retain_graph): make it with g itself
-        if torch.frexp(g).mantissa.abs() != 0.5 or getattr(ctx, "spent", False):
+        if grad is None or torch.frexp(g).mantissa.abs() != 0.5:
+            grad = torch.empty_like(u)
             VanillaLossCPU.chunks(u, t, ctx.softcap, ctx.chunk, grad, g)
         elif g != 1:
             grad.mul_(g)
-        ctx.spent = True
         return grad.view(ctx.shape), None, None, None
+
+    @staticmethod
+    def mean(nll):
+        """The mean of per-token nll (N,), summed in F.cross_entropy's own order (the same bits)."""
+        return F.nll_loss(-nll[:, None], torch.zeros(nll.size(0), dtype=torch.long, device=nll.device))
 
     @staticmethod
     def chunks(u, t, softcap, chunk, grad=None, upstream=None):
@@ -1065,7 +1086,7 @@ def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_i
     is then added to the <copy> logit. Packed rows: copying stays inside each document. Never builds a
     (T, V) copy distribution; the dense backend never holds more than a (chunk, T) score block. head_terms:
     lm_head_terms' three outputs computed already (lm_logits is then unused). gate "sentinel": the pointer-
-    sentinel mixture, lam = 1 - s, p_LM the softmax without <copy> (copy_bias unused)."""
+    sentinel mixture, lam = 1 - s, p_LM the softmax without <copy>, copy_bias added to the sink's score."""
     if head_terms is not None:
         lse_without_copy, z_copy, z_y = head_terms
     elif lm_logits.is_cuda or torch.compiler.is_compiling():  # compiled: inductor fuses lm_head_terms' passes
@@ -1074,6 +1095,8 @@ def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_i
         lse_without_copy, z_copy, z_y = LMHeadTermsCPU.apply(lm_logits, target_ids, copy_id, softcap)
     scale = q.size(-1) ** -0.5
     a_sink = (q.float() @ sink_key.float()) * scale  # fp32: the sink competes with every position's score
+    if gate == "sentinel":
+        a_sink = a_sink + copy_bias
     lse_doc, lse_match = copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk)
     lse_all = torch.logaddexp(lse_doc.float(), a_sink)
     log_s = a_sink - lse_all
@@ -1204,14 +1227,14 @@ def lr_multiplier(step, a: Hyperparameters):
     return w + (1 - w) * 0.1
 
 
-def shuffle_documents(tokens: np.ndarray, bos_id: int, seed) -> np.ndarray:
-    """The shard's documents (each from its BOS to the next) in a seeded random order; tokens before the first
-    BOS (the tail of a document begun in the shard before) stay first. The same order on every rank and resume."""
+def shuffle_documents(tokens: np.ndarray, bos_id: int, seed: int) -> np.ndarray:
+    """The documents (each from its BOS to the next) in a seeded random order; tokens before the first BOS (a
+    document begun elsewhere) stay first. The same order on every rank and resume."""
     starts = np.flatnonzero(tokens == bos_id)
     if len(starts) < 2:
         return tokens
     documents = np.split(tokens[starts[0]:], starts[1:] - starts[0])
-    order = np.random.default_rng(list(seed)).permutation(len(documents))
+    order = np.random.default_rng(seed).permutation(len(documents))
     return np.concatenate([tokens[:starts[0]], *(documents[i] for i in order)])
 
 
@@ -1622,7 +1645,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
             dist.broadcast(p.detach(), 0)
     optimizers = build_optimizers(model, a, rank, world_size, compiled=compile_model)
     n_params = sum(p.numel() for p in model.parameters())
-    n_cp = sum(p.numel() for p in model.cp_head.parameters()) + 1 if model.cp_head is not None else 0
+    n_cp = sum(p.numel() for p in model.cp_head.parameters()) + 1 if model.cp_head is not None else 0  # + the bias
     log(f"parameters: {n_params:,} (CP head and <copy> bias: {n_cp:,} = {100 * n_cp / n_params:.3f}%); "
         f"grad_accum: {grad_accum}; LM head: {'fp8' if fp8_head else 'bf16' if device.type == 'cuda' else 'fp32'}; "
         f"CP backend: {model.cp_backend if model.cp_head is not None else '-'}")

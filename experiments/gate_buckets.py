@@ -110,9 +110,9 @@ def main(argv=None):
     try:
         for v_path, c_path in pairs:
             (vanilla, va, _), (cplm, ca, _) = inference.load_model(v_path), inference.load_model(c_path)
-            if va.cplm or not ca.cplm:
+            if va.cplm or not ca.cplm or ca.copy_gate != "lm":
                 raise tg.DataError(f"--pair {v_path}:{c_path}: the first must be a vanilla checkpoint, the second "
-                                   "a CPLM one")
+                                   "a CPLM one with the paper's <copy> gate (not --copy_gate sentinel)")
             if (va.val_files, va.val_seq_len, va.vocab_size) != (ca.val_files, ca.val_seq_len, ca.vocab_size):
                 raise tg.DataError(f"--pair {v_path}:{c_path}: the two runs were validated on different data")
             tokens = tg.load_val_tokens(ca.val_files, args.tokens, ca.vocab_size)

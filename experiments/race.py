@@ -64,6 +64,12 @@ RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens
 #                  headline's 64) and the byte-level control (V = 257 at D = 256: no bottleneck).
 # The other rows are not swept themselves: a skeptic may say their best scale could differ. `--scale S` runs
 # chosen rows at another scale (a row's own sweep); the summary reports them as extra rows.
+# Rows compare only within one version of the script. The runs in records/prose_race trained with a random W_Q;
+# since 2026-12-01 W_Q starts at zero, so the rows added since (the pointer sentinel, the reordered data) run
+# together with a rerun of the headline, in a folder of their own and at the headline's scale (both modes' best
+# was 0.5), which needs no sweep there:
+#   python experiments/race.py --study prose --stage rows --scale 0.5 --out records/prose_v2 --seeds 0,1,2 \
+#       --only vanilla,cplm,sentinel,vanilla_reordered,cplm_reordered
 PROSE_BUDGET = ["--val_seq_len", "1024", "--num_iterations", "1000", "--val_loss_every", "50", "--val_tokens", "32768",
                 "--compile", "1",  # inductor on CPU: a CPLM step 1.55 -> 1.1 s (one thread), after ~1 min compiling
                 # checkpoints at 10%, 20%, ... of training for the mechanism studies (logs/<run_id>/, git-ignored
@@ -144,7 +150,7 @@ def prose_queue(stage, log_dir, seeds, only, scale=None):
     learning-rate scale instead of their mode's best (a row's own sweep)."""
     if stage == "sweep":
         return [(name, "0") for name in PROSE_SWEEP if not only or name in only]
-    best = best_scales(log_dir)
+    best = {"vanilla": scale, "cplm": scale} if scale else best_scales(log_dir)  # --scale: no sweep needed
     rows = [row for row in PROSE_ROWS if not only or row in only]
     names = {row: f"prose_{row}_lr{scale or best[PROSE_ROWS[row][0]]}" for row in rows}
     headline = [r for r in rows if r in HEADLINE_ROWS]
@@ -258,13 +264,13 @@ def main(argv=None):
             if proc.returncode:
                 print(f"run failed ({proc.returncode}): {' '.join(proc.args)}", flush=True)
     if not long_pair:  # the long pair's read-out is experiments/long_report.py
-        summarize(args.out, args.study)
+        summarize(args.out, args.study, args.scale)
     return 0
 
 
-def summarize(out, study):
+def summarize(out, study, scale=None):
     if study == "prose":
-        return summarize_prose(out)
+        return summarize_prose(out, scale)
     compare = [sys.executable, "records/compare.py"]
     lines = []
     groups = {"race": [("full", "cplm=0"), ("sw", "cplm=0"), ("bytes", "cplm=0")], "gate": [("gate", None)]}[study]
@@ -278,17 +284,18 @@ def summarize(out, study):
 
 
 # the prose study's rows as (row, vanilla row, CPLM row) for experiments/race_report.py
-PROSE_PAIRS = [("headline", "vanilla", "cplm"), ("open gate", "vanilla", "cplm_open"),
+PROSE_PAIRS = [("headline", "vanilla", "cplm"), ("pointer sentinel", "vanilla", "sentinel"),
+               ("reordered data", "vanilla_reordered", "cplm_reordered"), ("open gate", "vanilla", "cplm_open"),
                ("stop-gradient", "vanilla", "cplm_stopgrad"), ("V = 2048 (V/D = 16)", "v2048_vanilla", "v2048_cplm"),
                ("V = 32768 (V/D = 256)", "v32768_vanilla", "v32768_cplm"),
                ("bytes (V = 257, D = 256)", "bytes_vanilla", "bytes_cplm")]
 
 
-def summarize_prose(out):
+def summarize_prose(out, scale=None):
     """OUT/summary.md: the sweep and every row with finished runs of both of its modes (race_report.py)."""
     cmd = [sys.executable, "experiments/race_report.py", f"{out}/logs", "--sweep", "prose_vanilla_lr,prose_cplm_lr"]
     try:
-        best = best_scales(os.path.join(out, "logs"))
+        best = {"vanilla": scale, "cplm": scale} if scale else best_scales(os.path.join(out, "logs"))
     except ValueError:
         best = None
     both_finished = lambda v, c: all(finished(os.path.join(ROOT, out, "logs", f"{x}_s0.txt")) for x in (v, c))  # noqa: E731

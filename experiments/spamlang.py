@@ -49,8 +49,10 @@ matrices, ~0.4 s a step), the two span runs ~15 at their minimum and at most ~40
 ~90-115 CPU-minutes, 45-60 minutes with --jobs 2 (the span runs start first, the widest sweep runs next).
 
 The grid (`--study grid`, the default, whose flags define the runs) keeps the first study's defaults, so
-`python experiments/spamlang.py --copy_gate_init 0` still reproduces records/spamlang: 100 steps of 2 x 64 tokens
-at V = 8k..512k, D = 64, 32 held-out rows, about 20 minutes on one core; read its flaws above.
+`python experiments/spamlang.py --copy_gate_init 0` reruns records/spamlang's setting: 100 steps of 2 x 64 tokens
+at V = 8k..512k, D = 64, 32 held-out rows, about 20 minutes on one core; read its flaws above. (Its CPLM rows
+were trained with a random W_Q, before W_Q started at zero: a rerun gives its vanilla rows again, not its CPLM
+rows.)
 """
 import concurrent.futures
 import json
