@@ -23,6 +23,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import torch
 
 from cli import ROOT, OneLineParser  # experiments/cli.py
@@ -62,11 +63,10 @@ def slices(hp, test_start, test_tokens):
     targets), the test slice whole documents only."""
     pattern = hp.val_files if glob.glob(hp.val_files) or os.path.isabs(hp.val_files) else os.path.join(
         ROOT, hp.val_files)
-    tokens = torch.cat([torch.from_numpy(tg.load_shard(p, hp.vocab_size).astype("int64"))
-                        for p in tg.find_shards(pattern)])
+    tokens = np.concatenate([tg.load_shard(p, hp.vocab_size) for p in tg.find_shards(pattern)])  # 2 bytes a token
     if len(tokens) < hp.val_tokens + 1:
         raise EvalError(f"{pattern}: {len(tokens)} val tokens, the tuning slice needs {hp.val_tokens + 1}")
-    starts = (tokens == hp.bos_id).nonzero()[:, 0]
+    starts = torch.from_numpy(np.flatnonzero(tokens == hp.bos_id))
     first = starts[starts >= test_start]
     if test_start < hp.val_tokens or len(first) == 0:
         raise EvalError(f"--test_start {test_start}: it must lie past the tuning slice ({hp.val_tokens} tokens) "
@@ -77,7 +77,9 @@ def slices(hp, test_start, test_tokens):
         raise EvalError(f"--test_tokens {test_tokens}: the val split has {len(tokens) - begin} tokens after "
                         f"--test_start {test_start}")
     end = int(later[0])  # the test slice ends where the next document starts
-    return tokens[:hp.val_tokens + 1], tokens[begin:end + 1], int(((starts >= begin) & (starts < end)).sum())
+    as_ids = lambda x: torch.from_numpy(x.astype(np.int64))  # noqa: E731
+    return (as_ids(tokens[:hp.val_tokens + 1]), as_ids(tokens[begin:end + 1]),
+            int(((starts >= begin) & (starts < end)).sum()))
 
 
 def rows_of(tokens, seq_len, bos_id):
