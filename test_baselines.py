@@ -170,3 +170,26 @@ def test_long_report_reads_resumed_logs_and_both_crossing_rules(tmp_path):
     table = (tmp_path / "r.md").read_text()
     assert "| 60 | 5.0000 | 4.9000 | 0.100 | 0.100 | 0.100 | - | 60 / not yet |" in table
     assert "| 30 | 6.0000 | 5.5000 | 0.500 |" in table and "30 / 30 (1.00x / 1.00x)" in table
+
+
+def test_keep_done_scores_only_new_or_rewritten_checkpoints(tmp_path, monkeypatch):
+    calls = []
+    real = ts.evaluate_checkpoint
+    monkeypatch.setattr(ts, "evaluate_checkpoint", lambda *a: calls.append(a[0]) or real(*a))
+    rng = np.random.default_rng(1)
+    tokens = []
+    while len(tokens) < 1400:
+        tokens += [BOS] + rng.integers(0, 12, int(rng.integers(40, 120))).tolist()
+    write_shard(tmp_path / "toy_val_000000.bin", tokens, vocab=VOCAB)
+    first = tiny_checkpoint(tmp_path, 1)
+    out = str(tmp_path / "slice")
+    argv = [str(first.parent), "--test_start", "400", "--test_tokens", "600", "--out", out, "--keep_done", "1"]
+    assert ts.main(argv) == 0 and len(calls) == 1
+    assert ts.main(argv) == 0 and len(calls) == 1  # nothing new: nothing scored
+    second = first.parent / "state_step000004.pt"
+    second.write_bytes(first.read_bytes())
+    assert ts.main(argv) == 0 and calls[-1] == str(second) and len(calls) == 2  # the new one only
+    os.utime(first, ns=(1, 1))  # rewritten since it was scored
+    assert ts.main(argv) == 0 and calls[-1] == str(first) and len(calls) == 3
+    assert [r["checkpoint"] for r in json.loads((tmp_path / "slice.json").read_text())["records"]] == [
+        str(first), str(second)]

@@ -150,6 +150,12 @@ def summary(sums):
             "other": (sums["nll"] - sums["nll_copy"]) / max(n - n_copy, 1), "copy_share": n_copy / n, "tokens": n}
 
 
+def file_id(path):
+    """Size and modification time: a checkpoint rewritten since it was scored (another run, --overwrite) differs."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
 def evaluate_checkpoint(path, test_start, test_tokens):
     try:
         model, hp, step = inference.load_model(path)
@@ -159,7 +165,8 @@ def evaluate_checkpoint(path, test_start, test_tokens):
     tuning, test, documents = slices(hp, test_start, test_tokens)
     mode = mode_of(hp)
     record = {"checkpoint": os.path.relpath(path, ROOT) if path.startswith(ROOT) else path, "run_id": hp.run_id,
-              "step": step, "mode": mode, "seed": hp.seed, "test_documents": documents}
+              "step": step, "mode": mode, "seed": hp.seed, "test_documents": documents, "file": file_id(path),
+              "slice": [test_start, test_tokens]}
     test_sums = score(model, hp, step, test, with_cache=False)
     record["test"] = summary(test_sums)
     if mode == "vanilla":
@@ -194,6 +201,9 @@ def main(argv=None):
     p.add_argument("--test_tokens", type=int, default=262144)
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--keep_done", type=int, default=0, choices=(0, 1),
+                   help="1: reuse OUT.json's records of checkpoints scored on the same slice and not rewritten since "
+                        "(a run still training: score its new checkpoints only)")
     args = p.parse_args(argv)
     if args.test_tokens < 1 or args.test_start < 0 or args.threads < 0:
         p.error("--test_tokens must be >= 1, --test_start and --threads >= 0")
@@ -211,10 +221,20 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python experiments/test_slice.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    records = []
+    records, done = [], {}
+    if args.keep_done and os.path.isfile(args.out + ".json"):
+        try:
+            done = {(r["checkpoint"], tuple(r["file"]), tuple(r["slice"])): r  # older records: scored again
+                    for r in json.load(open(args.out + ".json"))["records"] if "file" in r and "slice" in r}
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"test_slice.py: error: --keep_done: {args.out}.json is not this script's output ({e})",
+                  file=sys.stderr)
+            return 1
     try:
         for path in expand(args.checkpoints):
-            records.append(evaluate_checkpoint(path, args.test_start, args.test_tokens))
+            name = os.path.relpath(path, ROOT) if path.startswith(ROOT) else path
+            key = (name, tuple(file_id(path)), (args.test_start, args.test_tokens))
+            records.append(done.get(key) or evaluate_checkpoint(path, args.test_start, args.test_tokens))
             print(json.dumps(records[-1]), flush=True)
             for ext, text in ((".json", json.dumps({"command": command, "records": records}, indent=1)),
                               (".md", markdown(records, command))):  # after each checkpoint: nothing lost
