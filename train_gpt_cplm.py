@@ -786,9 +786,10 @@ class GPT(nn.Module):
                 nll = VanillaLossCPU.mean(VanillaLossCPU.token_nll(head_out, target_ids, cap))
             elif pieces is None:
                 nll = vanilla_nll(head_out, target_ids, cap, reduction="none" if token_stats else "mean")
-            else:  # CPU evaluation: per-token nll, each piece in chunks of rows
-                nll = torch.cat([VanillaLossCPU.token_nll(self.lm_head(h[:, p]), target_ids[:, p], cap)
-                                 for p in pieces])
+            else:  # CPU evaluation: per-token nll, each piece in chunks of rows when eager (inductor fuses them)
+                per_token = (lambda u, t: vanilla_nll(u, t, cap, reduction="none")) if torch.compiler.is_compiling() \
+                    else (lambda u, t: VanillaLossCPU.token_nll(u, t, cap))
+                nll = torch.cat([per_token(self.lm_head(h[:, p]), target_ids[:, p]) for p in pieces])
             stats = {"nll": nll.view_as(target_ids) if token_stats else nll}
         else:
             q, k, sink_key = self.cp_head(h.detach() if self.config.cp_stop_grad else h)
