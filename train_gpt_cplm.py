@@ -838,8 +838,8 @@ def cplm_log_probs(lm_logits, q, k, sink_key, key_ids, copy_id, allowed=None, ga
     key_ids (B, S) at the positions they may copy from; sink_key (d,). allowed (B, T, S) bool says which
     keys each query sees (every query must see at least one); None: S = T, one document, position t copies
     from every tau <= t. gate "sentinel": p = s p_vocab + (1 - s) p_ptr, the pointer sentinel (p_vocab the
-    softmax without <copy>), sink_bias added to the sink's score. Builds (T, S) and (T, Vp) tensors: for tests, evaluation and sampling, not for
-    training."""
+    softmax without <copy>), sink_bias added to the sink's score. Builds (T, S) and (T, Vp) tensors: for tests,
+    evaluation and sampling, not for training."""
     B, T, Vp = lm_logits.shape
     S = k.size(1)
     z = lm_logits.float()
