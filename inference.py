@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from train_gpt_cplm import (ATTN_SCALE, BLOCK, CausalSelfAttention, DataError, GPT, GPTConfig, Hyperparameters,
-                            Rotary, cplm_log_probs, norm)
+                            Rotary, norm)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -193,13 +193,8 @@ class InferenceCache:
         logits = model.lm_logits(h)
         if model.cp_head is None:
             return logits.log_softmax(-1)
-        copy_id = model.config.copy_id
-        if model.copy_logit_bias is not None:  # None: the pointer sentinel, whose <copy> slot is unused
-            logits = logits.index_add(-1, torch.tensor([copy_id], device=h.device), model.copy_logit_bias.expand(1, 1, 1))
-        q = model.cp_head.w_q(h)
-        return cplm_log_probs(logits, q, self.cp_keys, model.cp_head.sink_key, self.cp_ids, copy_id,
-                              allowed=torch.ones(1, 1, self.cp_keys.size(1), dtype=torch.bool, device=h.device),
-                              gate=model.config.copy_gate, sink_bias=model.sink_bias)
+        allowed = torch.ones(1, 1, self.cp_keys.size(1), dtype=torch.bool, device=h.device)
+        return model.mixture_log_probs(logits, model.cp_head.w_q(h), self.cp_keys, self.cp_ids, allowed)
 
     def nbytes(self) -> dict:
         """Bytes the cache holds now: attention keys and values, CP keys, CP token ids."""

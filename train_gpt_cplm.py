@@ -787,9 +787,9 @@ class GPT(nn.Module):
             elif pieces is None:
                 nll = vanilla_nll(head_out, target_ids, cap, reduction="none" if token_stats else "mean")
             else:  # CPU evaluation: per-token nll, each piece in chunks of rows when eager (inductor fuses them)
-                per_token = (lambda u, t: vanilla_nll(u, t, cap, reduction="none")) if torch.compiler.is_compiling() \
-                    else (lambda u, t: VanillaLossCPU.token_nll(u, t, cap))
-                nll = torch.cat([per_token(self.lm_head(h[:, p]), target_ids[:, p]) for p in pieces])
+                rows = None if torch.compiler.is_compiling() else 32
+                nll = torch.cat([VanillaLossCPU.token_nll(self.lm_head(h[:, p]), target_ids[:, p], cap, rows)
+                                 for p in pieces])
             stats = {"nll": nll.view_as(target_ids) if token_stats else nll}
         else:
             q, k, sink_key = self.cp_head(h.detach() if self.config.cp_stop_grad else h)
@@ -816,15 +816,19 @@ class GPT(nn.Module):
         logits = self.lm_logits(h)
         if self.cp_head is None:
             return logits.log_softmax(-1)
-        q, k, sink_key = self.cp_head(h)
-        if self.copy_logit_bias is not None:
-            copy_slot = torch.tensor([self.config.copy_id], device=logits.device)
-            logits = logits.index_add(-1, copy_slot, self.copy_logit_bias.expand(*logits.shape[:-1], 1))
+        q, k, _ = self.cp_head(h)
         T = input_ids.size(-1)
         causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
         allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
-        return cplm_log_probs(logits, q, k, sink_key, input_ids, self.config.copy_id, allowed, self.config.copy_gate,
-                              self.sink_bias)
+        return self.mixture_log_probs(logits, q, k, input_ids, allowed)
+
+    def mixture_log_probs(self, lm_logits, q, k, key_ids, allowed=None):
+        """cplm_log_probs of this model: its gate (and the gate's bias) on soft-capped LM logits (B, T, Vp)."""
+        if self.copy_logit_bias is not None:
+            copy_slot = torch.tensor([self.config.copy_id], device=lm_logits.device)
+            lm_logits = lm_logits.index_add(-1, copy_slot, self.copy_logit_bias.expand(*lm_logits.shape[:-1], 1))
+        return cplm_log_probs(lm_logits, q, k, self.cp_head.sink_key, key_ids, self.config.copy_id, allowed,
+                              self.config.copy_gate, self.sink_bias)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -1011,8 +1015,10 @@ class VanillaLossCPU(torch.autograd.Function):
 
     @staticmethod
     def token_nll(head_out, target_ids, softcap, chunk=32):
-        """vanilla_nll(reduction="none"), flattened, in chunks of rows (the same values where V > 4096)."""
-        return VanillaLossCPU.chunks(head_out.flatten(0, -2), target_ids.flatten(), softcap, chunk)
+        """vanilla_nll(reduction="none"), flattened, in chunks of rows (the same values where V > 4096; chunk
+        None: all rows at once, vanilla_nll itself)."""
+        u = head_out.flatten(0, -2)
+        return VanillaLossCPU.chunks(u, target_ids.flatten(), softcap, chunk or u.size(0))
 
 
 def lm_head_terms(head_out, target_ids, copy_id, softcap=0.0):
