@@ -1,26 +1,20 @@
 """Tests of experiments/test_slice.py: the held-out test slice and the neural-cache baseline (Grave et al. 2017)
 against an independent per-position oracle. `python3 -m pytest -q test_baselines.py` (seconds, CPU)."""
-import importlib.util
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 import train_gpt_cplm as tg
-from test_cplm import write_shard
+from test_cplm import _load_experiment, write_shard
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(ROOT, "experiments", "test_slice.py")
 BOS, VOCAB = 99, 100
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-sys.path.insert(0, os.path.dirname(SCRIPT))  # experiments/, as when the script runs: it imports experiments/cli.py
-_spec = importlib.util.spec_from_file_location("test_slice", SCRIPT)
-ts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ts)
+ts = _load_experiment("test_slice")
+long_report = _load_experiment("long_report")
 
 
 def cache_oracle(h, input_ids, target_ids, theta, lam, log_p_lm):
@@ -139,10 +133,6 @@ def test_cli_scores_both_modes_and_tunes_the_cache_on_the_tuning_slice_only(tmp_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "none.pt: no such checkpoint file or run folder" in err
 
-
-_lr_spec = importlib.util.spec_from_file_location("long_report", os.path.join(ROOT, "experiments", "long_report.py"))
-long_report = importlib.util.module_from_spec(_lr_spec)
-_lr_spec.loader.exec_module(long_report)
 
 
 def test_long_report_reads_resumed_logs_and_both_crossing_rules(tmp_path):

@@ -167,14 +167,16 @@ def evaluate_checkpoint(path, test_start, test_tokens):
     record = {"checkpoint": os.path.relpath(path, ROOT) if path.startswith(ROOT) else path, "run_id": hp.run_id,
               "step": step, "mode": mode, "seed": hp.seed, "test_documents": documents, "file": file_id(path),
               "slice": [test_start, test_tokens]}
-    test_sums = score(model, hp, step, test, with_cache=False)
+    if mode != "vanilla":
+        record["test"] = summary(score(model, hp, step, test, with_cache=False))
+        return record
+    tune = score(model, hp, step, tuning, with_cache=True)
+    best = min(tune["cache"], key=lambda g: tune["cache"][g][0])
+    test_sums = score(model, hp, step, test, with_cache=True, theta_lambda=best)  # one pass: alone and cached
+    cached = test_sums["cache"][best]
     record["test"] = summary(test_sums)
-    if mode == "vanilla":
-        tune = score(model, hp, step, tuning, with_cache=True)
-        best = min(tune["cache"], key=lambda g: tune["cache"][g][0])
-        cached = score(model, hp, step, test, with_cache=True, theta_lambda=best)["cache"][best]
-        record["cache"] = {"theta": best[0], "lambda": best[1], "tuning_loss": tune["cache"][best][0] / tune["n"],
-                           **summary({**test_sums, "nll": cached[0], "nll_copy": cached[1]})}
+    record["cache"] = {"theta": best[0], "lambda": best[1], "tuning_loss": tune["cache"][best][0] / tune["n"],
+                       **summary({**test_sums, "nll": cached[0], "nll_copy": cached[1]})}
     return record
 
 
