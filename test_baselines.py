@@ -68,6 +68,49 @@ def test_test_slice_is_whole_documents_past_the_tuning_slice(tmp_path):
         ts.slices(hp, 1000, 99999)
 
 
+def byte_level_corpora(folder, n_docs=12):
+    """The same documents (text over "ab ") as a V = 257 byte corpus and as a hand-made byte-level BPE corpus
+    (greedy longest match, its tokenizer.json beside the shard): {V: Hyperparameters}, and the documents."""
+    rng = np.random.default_rng(4)
+    docs = ["".join(rng.choice(list("ab "), int(rng.integers(30, 120)))) for _ in range(n_docs)]
+    pieces = ["a", "b", "\u0120", "ab", "\u0120a", "bab"]  # U+0120 is the byte-level alphabet's space
+    bpe_bos = len(pieces)
+    (folder / "bpe").mkdir()
+    (folder / "bpe" / "tokenizer.json").write_text(json.dumps({
+        "added_tokens": [{"id": bpe_bos, "content": "<|bos|>"}], "decoder": {"type": "ByteLevel"},
+        "model": {"type": "BPE", "vocab": {p: i for i, p in enumerate(pieces)}}}))
+
+    def bpe(text):
+        text, ids = text.replace(" ", "\u0120"), []
+        while text:
+            i = max((i for i, p in enumerate(pieces) if text.startswith(p)), key=lambda i: len(pieces[i]))
+            ids.append(i)
+            text = text[len(pieces[i]):]
+        return ids
+    write_shard(folder / "bpe" / "c_val_000000.bin", [x for d in docs for x in [bpe_bos] + bpe(d)] + [bpe_bos],
+                vocab=bpe_bos + 1)
+    (folder / "bytes").mkdir()
+    write_shard(folder / "bytes" / "c_val_000000.bin", [x for d in docs for x in [256] + list(d.encode())] + [256],
+                vocab=257)
+    hps = {V: tg.Hyperparameters(val_files=str(folder / sub / "c_val_*.bin"), vocab_size=V, bos_id=V - 1,
+                                 val_tokens=64) for V, sub in ((bpe_bos + 1, "bpe"), (257, "bytes"))}
+    return hps, docs
+
+
+def test_test_documents_are_the_same_bytes_for_every_tokenizer(tmp_path):
+    hps, docs = byte_level_corpora(tmp_path)
+    for hp in hps.values():
+        _, test, n = ts.slices(hp, 0, 0, documents=(3, 9))
+        assert n == 6 and int(ts.token_bytes(hp)[test[1:]].sum()) == sum(len(d) for d in docs[3:9])
+        assert int((test == hp.bos_id).sum()) == 7  # six documents and the next one's BOS (their end) as a target
+    with pytest.raises(ts.EvalError, match="inside the tuning slice"):
+        ts.slices(hps[257], 0, 0, documents=(0, 9))
+    with pytest.raises(ts.EvalError, match="has 13 documents"):
+        ts.slices(hps[257], 0, 0, documents=(3, 13))
+    (tmp_path / "bpe" / "tokenizer.json").unlink()
+    assert ts.token_bytes(hps[7]) is None
+
+
 def test_padded_last_row_changes_no_real_position():
     """A row shorter than val_seq_len is padded with BOS to whole blocks: the real positions score as unpadded."""
     torch.manual_seed(0)
@@ -127,7 +170,8 @@ def test_cli_scores_both_modes_and_tunes_the_cache_on_the_tuning_slice_only(tmp_
     sums = ts.score(model, hp, 2, tuning, with_cache=True)
     best = min(sums["cache"], key=lambda g: sums["cache"][g][0])
     assert (vanilla["cache"]["theta"], vanilla["cache"]["lambda"]) == best
-    assert "| tiny0 | 2 | vanilla |" in (tmp_path / "report" / "slice.md").read_text()
+    assert "| tiny0 | 2 | vanilla | 100 |" in (tmp_path / "report" / "slice.md").read_text()
+    assert "bytes" not in vanilla["test"]  # no tokenizer.json: no bits per byte
     capsys.readouterr()
     assert ts.main([str(tmp_path / "none.pt"), "--out", str(out)]) == 1
     err = capsys.readouterr().err
@@ -160,6 +204,35 @@ def test_long_report_reads_resumed_logs_and_both_crossing_rules(tmp_path):
     table = (tmp_path / "r.md").read_text()
     assert "| 60 | 5.0000 | 4.9000 | 0.100 | 0.100 | 0.100 | - | 60 / not yet |" in table
     assert "| 30 | 6.0000 | 5.5000 | 0.500 |" in table and "30 / 30 (1.00x / 1.00x)" in table
+
+
+def test_cli_bits_per_byte_over_test_documents(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    tokens = []
+    while len(tokens) < 1400:
+        tokens += [BOS] + rng.integers(0, 12, int(rng.integers(40, 120))).tolist()
+    write_shard(tmp_path / "toy_val_000000.bin", tokens, vocab=VOCAB)
+    path = tiny_checkpoint(tmp_path, 0)
+    out = tmp_path / "slice"
+    argv = [str(path), "--test_documents", "6:12", "--out", str(out)]
+    assert ts.main(argv) == 1
+    assert "no tokenizer.json" in capsys.readouterr().err
+    pieces = {chr(0x100 + i) * (1 + i % 3): i for i in range(BOS)}  # token i is 1 + i % 3 bytes long
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"decoder": {"type": "ByteLevel"},
+                                                         "model": {"type": "BPE", "vocab": pieces}}))
+    assert ts.main(argv) == 0
+    record = json.loads((tmp_path / "slice.json").read_text())["records"][0]
+    starts = [i for i, x in enumerate(tokens) if x == BOS]
+    targets = tokens[starts[6] + 1:starts[12] + 1]
+    assert record["test_documents"] == 6 and record["test"]["tokens"] == len(targets)
+    n_bytes = sum(1 + x % 3 for x in targets if x != BOS)
+    assert record["test"]["bytes"] == n_bytes == record["cache"]["bytes"]
+    for part in ("test", "cache"):
+        got = record[part]
+        assert got["bits_per_byte"] == pytest.approx(got["loss"] * len(targets) / math.log(2) / n_bytes)
+    with pytest.raises(SystemExit) as usage:
+        ts.main([str(path), "--test_documents", "6:5", "--out", str(out)])
+    assert usage.value.code == 2 and "FIRST:END" in capsys.readouterr().err
 
 
 def test_keep_done_scores_only_new_or_rewritten_checkpoints(tmp_path, monkeypatch):

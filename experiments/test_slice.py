@@ -7,7 +7,13 @@ seeded shuffled order) and packed in rows of the run's val_seq_len as train_gpt_
 - tuning slice: the first --val_tokens (32Ki) tokens, the slice every log's val_loss is on, on which the
   learning rates were chosen. The neural cache's theta and lambda are chosen here, and nothing else.
 - test slice: whole documents from the first one that starts at or after token --test_start (64Ki, past the
-  tuning slice), until --test_tokens (256Ki) tokens are reached; no choice was made on it.
+  tuning slice), until --test_tokens (256Ki) tokens are reached; no choice was made on it. Or, with
+  --test_documents FIRST:END, the val split's documents FIRST..END-1 (numbered from 0 in its order, which every
+  tokenization of the prose corpus shares): the same text whatever the tokenizer, for rows of different V.
+  The headline's slice on the V = 8192 corpus is documents 19:142.
+Bits per byte: the test loss in bits over the UTF-8 bytes of the slice's documents (BOS has none), the unit
+in which rows of different tokenizers compare. The bytes of a token come from the corpus's tokenizer.json
+beside the val shards (byte-level BPE: one character of a token's string is one byte), or V = 257 bytes.
 
 Each checkpoint gets its test loss (nats per token), over copyable targets (seen earlier in their document)
 and the others. A vanilla checkpoint also gets the neural cache of Grave et al. 2017: with h_i the final
@@ -21,6 +27,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -58,15 +65,26 @@ def expand(paths):
     return out
 
 
-def slices(hp, test_start, test_tokens):
+def slices(hp, test_start, test_tokens, documents=None):
     """(tuning tokens, test tokens, test documents): 1-D int64 tensors of n + 1 tokens (inputs and the shifted
-    targets), the test slice whole documents only."""
+    targets), the test slice whole documents only: by token position, or documents = (first, end) by number."""
     pattern = hp.val_files if glob.glob(hp.val_files) or os.path.isabs(hp.val_files) else os.path.join(
         ROOT, hp.val_files)
     tokens = np.concatenate([tg.load_shard(p, hp.vocab_size) for p in tg.find_shards(pattern)])  # 2 bytes a token
     if len(tokens) < hp.val_tokens + 1:
         raise EvalError(f"{pattern}: {len(tokens)} val tokens, the tuning slice needs {hp.val_tokens + 1}")
     starts = torch.from_numpy(np.flatnonzero(tokens == hp.bos_id))
+    if documents:
+        first_doc, end_doc = documents
+        if end_doc >= len(starts):  # the last document's end is the BOS of the next one
+            raise EvalError(f"--test_documents {first_doc}:{end_doc}: the val split of {pattern} has "
+                            f"{len(starts)} documents, and document {end_doc} must start after the slice")
+        begin, end = int(starts[first_doc]), int(starts[end_doc])
+        if begin < hp.val_tokens:
+            raise EvalError(f"--test_documents {first_doc}:{end_doc}: document {first_doc} starts at token {begin}, "
+                            f"inside the tuning slice ({hp.val_tokens} tokens) of {pattern}")
+        as_ids = lambda x: torch.from_numpy(x.astype(np.int64))  # noqa: E731
+        return as_ids(tokens[:hp.val_tokens + 1]), as_ids(tokens[begin:end + 1]), end_doc - first_doc
     first = starts[starts >= test_start]
     if test_start < hp.val_tokens or len(first) == 0:
         raise EvalError(f"--test_start {test_start}: it must lie past the tuning slice ({hp.val_tokens} tokens) "
@@ -80,6 +98,24 @@ def slices(hp, test_start, test_tokens):
     as_ids = lambda x: torch.from_numpy(x.astype(np.int64))  # noqa: E731
     return (as_ids(tokens[:hp.val_tokens + 1]), as_ids(tokens[begin:end + 1]),
             int(((starts >= begin) & (starts < end)).sum()))
+
+
+def token_bytes(hp):
+    """(V,) int64: the UTF-8 bytes of each token id of hp's corpus (BOS: 0), or None where the corpus has no
+    tokenizer.json beside its val shards and is not the V = 257 byte corpus."""
+    if hp.vocab_size == 257 and hp.bos_id == 256:  # data/tokenize_corpus.ByteEncoding: one token, one byte
+        return torch.tensor([1] * 256 + [0])
+    shards = tg.find_shards(hp.val_files if os.path.isabs(hp.val_files) else os.path.join(ROOT, hp.val_files))
+    path = os.path.join(os.path.dirname(shards[0]), "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    spec = json.load(open(path))
+    if (spec.get("model") or {}).get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise EvalError(f"{path}: not a byte-level BPE tokenizer, so its bytes per token are unknown")
+    lengths = torch.zeros(hp.vocab_size, dtype=torch.int64)
+    for piece, i in spec["model"]["vocab"].items():  # a byte-level token's string has one character per byte
+        lengths[i] = len(piece)
+    return lengths  # added tokens (BOS) keep 0: they are not text
 
 
 def rows_of(tokens, seq_len, bos_id):
@@ -144,10 +180,13 @@ def score(model, hp, step, tokens, with_cache, theta_lambda=None):
     return sums
 
 
-def summary(sums):
+def summary(sums, n_bytes=None):
     n, n_copy = sums["n"], sums["n_copy"]
-    return {"loss": sums["nll"] / n, "copyable": sums["nll_copy"] / max(n_copy, 1),
-            "other": (sums["nll"] - sums["nll_copy"]) / max(n - n_copy, 1), "copy_share": n_copy / n, "tokens": n}
+    out = {"loss": sums["nll"] / n, "copyable": sums["nll_copy"] / max(n_copy, 1),
+           "other": (sums["nll"] - sums["nll_copy"]) / max(n - n_copy, 1), "copy_share": n_copy / n, "tokens": n}
+    if n_bytes:
+        out.update(bytes=n_bytes, bits_per_byte=sums["nll"] / math.log(2) / n_bytes)
+    return out
 
 
 def file_id(path):
@@ -156,43 +195,74 @@ def file_id(path):
     return [st.st_size, st.st_mtime_ns]
 
 
-def evaluate_checkpoint(path, test_start, test_tokens):
+def slice_key(test_start, test_tokens, documents):
+    return ["documents", *documents] if documents else [test_start, test_tokens]
+
+
+def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
     try:
         model, hp, step = inference.load_model(path)
     except tg.DataError as e:
         raise EvalError(str(e))
     model.attention_backend = model.cp_backend = "dense"
-    tuning, test, documents = slices(hp, test_start, test_tokens)
+    tuning, test, n_documents = slices(hp, test_start, test_tokens, documents)
+    lengths = token_bytes(hp)
+    if lengths is None and documents:
+        raise EvalError(f"{path}: --test_documents reports bits per byte, and its corpus has no tokenizer.json "
+                        "beside the val shards")
+    n_bytes = int(lengths[test[1:]].sum()) if lengths is not None else None
     mode = mode_of(hp)
     record = {"checkpoint": os.path.relpath(path, ROOT) if path.startswith(ROOT) else path, "run_id": hp.run_id,
-              "step": step, "mode": mode, "seed": hp.seed, "test_documents": documents, "file": file_id(path),
-              "slice": [test_start, test_tokens]}
+              "step": step, "mode": mode, "seed": hp.seed, "vocab_size": hp.vocab_size,
+              "test_documents": n_documents, "file": file_id(path),
+              "slice": slice_key(test_start, test_tokens, documents)}
     if mode != "vanilla":
-        record["test"] = summary(score(model, hp, step, test, with_cache=False))
+        record["test"] = summary(score(model, hp, step, test, with_cache=False), n_bytes)
         return record
     tune = score(model, hp, step, tuning, with_cache=True)
     best = min(tune["cache"], key=lambda g: tune["cache"][g][0])
     test_sums = score(model, hp, step, test, with_cache=True, theta_lambda=best)  # one pass: alone and cached
     cached = test_sums["cache"][best]
-    record["test"] = summary(test_sums)
+    record["test"] = summary(test_sums, n_bytes)
     record["cache"] = {"theta": best[0], "lambda": best[1], "tuning_loss": tune["cache"][best][0] / tune["n"],
-                       **summary({**test_sums, "nll": cached[0], "nll_copy": cached[1]})}
+                       **summary({**test_sums, "nll": cached[0], "nll_copy": cached[1]}, n_bytes)}
     return record
 
 
 def markdown(records, command):
-    lines = [f"    {command}", "", "| run | step | mode | test loss | copyable | other | + neural cache "
-             "(theta, lambda) | cache: copyable | cache: other |", "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, key: f"{x[key]:.4f}" if x and key in x else "-"  # noqa: E731
+    lines = [f"    {command}", "", "| run | step | mode | V | test loss | bits/byte | copyable | other | + neural cache "
+             "(theta, lambda) | cache: bits/byte | cache: copyable | cache: other |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         t, c = r["test"], r.get("cache")
-        cache = (f"{c['loss']:.4f} ({c['theta']}, {c['lambda']}) | {c['copyable']:.4f} | {c['other']:.4f}"
-                 if c else "| |")
-        lines.append(f"| {r['run_id']} | {r['step']} | {r['mode']} | {t['loss']:.4f} | {t['copyable']:.4f} | "
-                     f"{t['other']:.4f} | {cache} |")
+        cache = f"{c['loss']:.4f} ({c['theta']}, {c['lambda']})" if c else ""
+        lines.append(f"| {r['run_id']} | {r['step']} | {r['mode']} | {r.get('vocab_size', '-')} | {t['loss']:.4f} | "
+                     f"{fmt(t, 'bits_per_byte')} | {t['copyable']:.4f} | {t['other']:.4f} | {cache} | "
+                     f"{fmt(c, 'bits_per_byte') if c else ''} | {fmt(c, 'copyable') if c else ''} | "
+                     f"{fmt(c, 'other') if c else ''} |")
+    groups = {}
+    for r in records:  # the seeds of one configuration: its run_id without the _s<seed> suffix
+        groups.setdefault((re.sub(r"_s\d+$", "", r["run_id"]), r["step"]), []).append(r)
+    if any(len(g) > 1 for g in groups.values()):
+        lines += ["", "Mean over seeds (sample standard deviation):", "",
+                  "| configuration | step | seeds | test loss | bits/byte | + neural cache | cache: bits/byte |",
+                  "|---|---|---|---|---|---|---|"]
+        for (name, step), rs in groups.items():
+            def stat(values):
+                if not values or any(v is None for v in values):
+                    return "-"
+                sd = f" +- {np.std(values, ddof=1):.4f}" if len(values) > 1 else ""
+                return f"{np.mean(values):.4f}{sd}"
+            pick = lambda part, key: [(r.get(part) or {}).get(key) for r in rs]  # noqa: E731
+            lines.append(f"| {name} | {step} | {','.join(str(r['seed']) for r in rs)} | {stat(pick('test', 'loss'))} "
+                         f"| {stat(pick('test', 'bits_per_byte'))} | {stat(pick('cache', 'loss'))} | "
+                         f"{stat(pick('cache', 'bits_per_byte'))} |")
     if records:
         t = records[0]["test"]
-        lines += ["", f"Test slice: {t['tokens']} targets in {records[0]['test_documents']} whole documents, "
-                  f"{t['copy_share']:.1%} of them copyable."]
+        span = f", {t['bytes']} bytes" if "bytes" in t else ""
+        lines += ["", f"Test slice: {t['tokens']} targets in {records[0]['test_documents']} whole documents{span}, "
+                  f"{t['copy_share']:.1%} of the targets copyable (first record's tokenizer)."]
     return "\n".join(lines) + "\n"
 
 
@@ -201,6 +271,9 @@ def main(argv=None):
     p.add_argument("checkpoints", nargs="+", help="checkpoint files or run folders (logs/<run_id>/)")
     p.add_argument("--test_start", type=int, default=65536)
     p.add_argument("--test_tokens", type=int, default=262144)
+    p.add_argument("--test_documents", default="", metavar="FIRST:END",
+                   help="the val split's documents FIRST..END-1 instead of --test_start/--test_tokens: the same "
+                        "text for every tokenizer (the headline's slice: 19:142)")
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--keep_done", type=int, default=0, choices=(0, 1),
@@ -209,6 +282,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.test_tokens < 1 or args.test_start < 0 or args.threads < 0:
         p.error("--test_tokens must be >= 1, --test_start and --threads >= 0")
+    documents = None
+    if args.test_documents:
+        parts = args.test_documents.split(":")
+        if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[0]) >= int(parts[1]):
+            p.error(f"--test_documents must be FIRST:END with 0 <= FIRST < END (got {args.test_documents!r})")
+        documents = (int(parts[0]), int(parts[1]))
     folder = os.path.dirname(os.path.abspath(args.out))
     try:
         os.makedirs(folder, exist_ok=True)  # before hours of work: a bad --out fails now
@@ -235,8 +314,8 @@ def main(argv=None):
     try:
         for path in expand(args.checkpoints):
             name = os.path.relpath(path, ROOT) if path.startswith(ROOT) else path
-            key = (name, tuple(file_id(path)), (args.test_start, args.test_tokens))
-            records.append(done.get(key) or evaluate_checkpoint(path, args.test_start, args.test_tokens))
+            key = (name, tuple(file_id(path)), tuple(slice_key(args.test_start, args.test_tokens, documents)))
+            records.append(done.get(key) or evaluate_checkpoint(path, args.test_start, args.test_tokens, documents))
             print(json.dumps(records[-1]), flush=True)
             for ext, text in ((".json", json.dumps({"command": command, "records": records}, indent=1)),
                               (".md", markdown(records, command))):  # after each checkpoint: nothing lost
