@@ -1,5 +1,6 @@
 """Tests of experiments/test_slice.py: the held-out test slice and the neural-cache baseline (Grave et al. 2017)
 against an independent per-position oracle. `python3 -m pytest -q test_baselines.py` (seconds, CPU)."""
+import dataclasses
 import json
 import math
 import os
@@ -77,7 +78,8 @@ def byte_level_corpora(folder, n_docs=12):
     bpe_bos = len(pieces)
     (folder / "bpe").mkdir()
     (folder / "bpe" / "tokenizer.json").write_text(json.dumps({
-        "added_tokens": [{"id": bpe_bos, "content": "<|bos|>"}], "decoder": {"type": "ByteLevel"},
+        "added_tokens": [{"id": bpe_bos, "content": "<|bos|>", "special": True}], "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel"}, "decoder": {"type": "ByteLevel"},
         "model": {"type": "BPE", "vocab": {p: i for i, p in enumerate(pieces)}}}))
 
     def bpe(text):
@@ -87,11 +89,10 @@ def byte_level_corpora(folder, n_docs=12):
             ids.append(i)
             text = text[len(pieces[i]):]
         return ids
-    write_shard(folder / "bpe" / "c_val_000000.bin", [x for d in docs for x in [bpe_bos] + bpe(d)] + [bpe_bos],
-                vocab=bpe_bos + 1)
+    # as the corpus builder writes them: a BOS before every document, none after the last
+    write_shard(folder / "bpe" / "c_val_000000.bin", [x for d in docs for x in [bpe_bos] + bpe(d)], vocab=bpe_bos + 1)
     (folder / "bytes").mkdir()
-    write_shard(folder / "bytes" / "c_val_000000.bin", [x for d in docs for x in [256] + list(d.encode())] + [256],
-                vocab=257)
+    write_shard(folder / "bytes" / "c_val_000000.bin", [x for d in docs for x in [256] + list(d.encode())], vocab=257)
     hps = {V: tg.Hyperparameters(val_files=str(folder / sub / "c_val_*.bin"), vocab_size=V, bos_id=V - 1,
                                  val_tokens=64) for V, sub in ((bpe_bos + 1, "bpe"), (257, "bytes"))}
     return hps, docs
@@ -103,10 +104,14 @@ def test_test_documents_are_the_same_bytes_for_every_tokenizer(tmp_path):
         _, test, n = ts.slices(hp, 0, 0, documents=(3, 9))
         assert n == 6 and int(ts.token_bytes(hp)[test[1:]].sum()) == sum(len(d) for d in docs[3:9])
         assert int((test == hp.bos_id).sum()) == 7  # six documents and the next one's BOS (their end) as a target
-    with pytest.raises(ts.EvalError, match="inside the tuning slice"):
-        ts.slices(hps[257], 0, 0, documents=(0, 9))
-    with pytest.raises(ts.EvalError, match="has 13 documents"):
-        ts.slices(hps[257], 0, 0, documents=(3, 13))
+    hp = hps[257]
+    start_3 = 3 + sum(len(d) for d in docs[:3])  # document 3's BOS
+    assert len(ts.slices(dataclasses.replace(hp, val_tokens=start_3), 0, 0, documents=(3, 9))[1])
+    with pytest.raises(ts.EvalError, match="inside the tuning slice"):  # one token into it
+        ts.slices(dataclasses.replace(hp, val_tokens=start_3 + 1), 0, 0, documents=(3, 9))
+    assert len(ts.slices(hp, 0, 0, documents=(3, 11))[1])
+    with pytest.raises(ts.EvalError, match="has 12 documents, so END can be at most 11"):  # the last has no end
+        ts.slices(hp, 0, 0, documents=(3, 12))
     (tmp_path / "bpe" / "tokenizer.json").unlink()
     assert ts.token_bytes(hps[7]) is None
 
@@ -218,8 +223,9 @@ def test_cli_bits_per_byte_over_test_documents(tmp_path, capsys):
     assert ts.main(argv) == 1
     assert "no tokenizer.json" in capsys.readouterr().err
     pieces = {chr(0x100 + i) * (1 + i % 3): i for i in range(BOS)}  # token i is 1 + i % 3 bytes long
-    (tmp_path / "tokenizer.json").write_text(json.dumps({"decoder": {"type": "ByteLevel"},
-                                                         "model": {"type": "BPE", "vocab": pieces}}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({
+        "pre_tokenizer": {"type": "ByteLevel"}, "model": {"type": "BPE", "vocab": pieces},
+        "added_tokens": [{"id": BOS, "content": "<|bos|>", "special": True}]}))
     assert ts.main(argv) == 0
     record = json.loads((tmp_path / "slice.json").read_text())["records"][0]
     starts = [i for i, x in enumerate(tokens) if x == BOS]
@@ -230,9 +236,34 @@ def test_cli_bits_per_byte_over_test_documents(tmp_path, capsys):
     for part in ("test", "cache"):
         got = record[part]
         assert got["bits_per_byte"] == pytest.approx(got["loss"] * len(targets) / math.log(2) / n_bytes)
+    calls = []
+    real = ts.evaluate_checkpoint
+    ts.evaluate_checkpoint = lambda *a: calls.append(a) or real(*a)
+    try:  # --keep_done reuses a record only on the slice it was scored on
+        for slice_args in (["--test_documents", "6:12"], ["--test_start", "400", "--test_tokens", "300"],
+                           ["--test_documents", "6:12"],
+                           ["--test_documents", "6:11"]):
+            assert ts.main([str(path), "--out", str(out), "--keep_done", "1", *slice_args]) == 0
+    finally:
+        ts.evaluate_checkpoint = real
+    assert [c[3] for c in calls] == [None, (6, 12), (6, 11)]  # each scored anew on a slice of its own
     with pytest.raises(SystemExit) as usage:
         ts.main([str(path), "--test_documents", "6:5", "--out", str(out)])
     assert usage.value.code == 2 and "FIRST:END" in capsys.readouterr().err
+
+
+def test_markdown_means_over_the_seeds_of_one_configuration():
+    def record(run_id, seed, mode, loss, bpb):
+        return {"run_id": run_id, "seed": seed, "mode": mode, "vocab_size": 8192, "step": 1000, "test_documents": 3,
+                "test": {"loss": loss, "bits_per_byte": bpb, "copyable": 1.0, "other": 2.0, "copy_share": 0.5,
+                         "tokens": 10, "bytes": 40}}
+    records = [record("prose_cplm_lr0.5_s0", 0, "cplm", 4.0, 1.0), record("prose_cplm_lr0.5_s1", 1, "cplm", 4.2, 1.2),
+               record("prose_sentinel_lr0.5_s1", 1, "sentinel", 5.0, 2.0),
+               record("prose_cplm_lr0.5_s12", 2, "cplm", 9.0, 9.0)]  # "_s12" is not seed 2's suffix: its own row
+    table = ts.markdown(records, "cmd")
+    assert "| prose_cplm_lr0.5 | 1000 | 0,1 | 4.1000 +- 0.1414 | 1.1000 +- 0.1414 | - | - |" in table
+    assert "| prose_sentinel_lr0.5 | 1000 | 1 | 5.0000 | 2.0000 | - | - |" in table
+    assert "| prose_cplm_lr0.5_s12 | 1000 | 2 | 9.0000 |" in table
 
 
 def test_keep_done_scores_only_new_or_rewritten_checkpoints(tmp_path, monkeypatch):

@@ -35,6 +35,7 @@ import torch
 
 from cli import ROOT, OneLineParser  # experiments/cli.py
 import inference  # noqa: E402  (the repository root is on sys.path now)
+import race_report  # noqa: E402  (experiments/race_report.py)
 import train_gpt_cplm as tg  # noqa: E402
 
 THETAS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # h is RMS-normed: h . h = D (128 at the cpu preset)
@@ -62,23 +63,29 @@ def expand(paths):
             out.append(path)
         else:
             raise EvalError(f"{path}: no such checkpoint file or run folder")
-    return out
+    seen = set()  # a checkpoint given twice (its folder and itself) is scored once
+    return [p for p in out if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+
+
+def val_pattern(hp):
+    """The run's val shards: its path as given where that matches, else relative to the repository."""
+    return hp.val_files if glob.glob(hp.val_files) or os.path.isabs(hp.val_files) else os.path.join(
+        ROOT, hp.val_files)
 
 
 def slices(hp, test_start, test_tokens, documents=None):
     """(tuning tokens, test tokens, test documents): 1-D int64 tensors of n + 1 tokens (inputs and the shifted
     targets), the test slice whole documents only: by token position, or documents = (first, end) by number."""
-    pattern = hp.val_files if glob.glob(hp.val_files) or os.path.isabs(hp.val_files) else os.path.join(
-        ROOT, hp.val_files)
+    pattern = val_pattern(hp)
     tokens = np.concatenate([tg.load_shard(p, hp.vocab_size) for p in tg.find_shards(pattern)])  # 2 bytes a token
     if len(tokens) < hp.val_tokens + 1:
         raise EvalError(f"{pattern}: {len(tokens)} val tokens, the tuning slice needs {hp.val_tokens + 1}")
     starts = torch.from_numpy(np.flatnonzero(tokens == hp.bos_id))
     if documents:
         first_doc, end_doc = documents
-        if end_doc >= len(starts):  # the last document's end is the BOS of the next one
+        if end_doc >= len(starts):  # a document's end is the next one's BOS: the split's last has none
             raise EvalError(f"--test_documents {first_doc}:{end_doc}: the val split of {pattern} has "
-                            f"{len(starts)} documents, and document {end_doc} must start after the slice")
+                            f"{len(starts)} documents, so END can be at most {len(starts) - 1}")
         begin, end = int(starts[first_doc]), int(starts[end_doc])
         if begin < hp.val_tokens:
             raise EvalError(f"--test_documents {first_doc}:{end_doc}: document {first_doc} starts at token {begin}, "
@@ -101,21 +108,12 @@ def slices(hp, test_start, test_tokens, documents=None):
 
 
 def token_bytes(hp):
-    """(V,) int64: the UTF-8 bytes of each token id of hp's corpus (BOS: 0), or None where the corpus has no
-    tokenizer.json beside its val shards and is not the V = 257 byte corpus."""
-    if hp.vocab_size == 257 and hp.bos_id == 256:  # data/tokenize_corpus.ByteEncoding: one token, one byte
-        return torch.tensor([1] * 256 + [0])
-    shards = tg.find_shards(hp.val_files if os.path.isabs(hp.val_files) else os.path.join(ROOT, hp.val_files))
-    path = os.path.join(os.path.dirname(shards[0]), "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    spec = json.load(open(path))
-    if (spec.get("model") or {}).get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        raise EvalError(f"{path}: not a byte-level BPE tokenizer, so its bytes per token are unknown")
-    lengths = torch.zeros(hp.vocab_size, dtype=torch.int64)
-    for piece, i in spec["model"]["vocab"].items():  # a byte-level token's string has one character per byte
-        lengths[i] = len(piece)
-    return lengths  # added tokens (BOS) keep 0: they are not text
+    """(V,) int64: the UTF-8 bytes of each token id of hp's corpus (BOS: 0; -1: an id its tokenizer lacks), or
+    None where race_report cannot count them (no byte-level tokenizer.json beside the val shards, not the
+    V = 257 byte corpus)."""
+    shards = tg.find_shards(val_pattern(hp))
+    lengths = race_report.token_byte_lengths(os.path.dirname(shards[0]), hp.vocab_size)
+    return None if lengths is None else torch.from_numpy(lengths)
 
 
 def rows_of(tokens, seq_len, bos_id):
@@ -210,6 +208,8 @@ def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
     if lengths is None and documents:
         raise EvalError(f"{path}: --test_documents reports bits per byte, and its corpus has no tokenizer.json "
                         "beside the val shards")
+    if lengths is not None and bool((lengths[test[1:]] < 0).any()):
+        raise EvalError(f"{path}: the slice holds token ids that the corpus's tokenizer.json lacks")
     n_bytes = int(lengths[test[1:]].sum()) if lengths is not None else None
     mode = mode_of(hp)
     record = {"checkpoint": os.path.relpath(path, ROOT) if path.startswith(ROOT) else path, "run_id": hp.run_id,
@@ -243,12 +243,13 @@ def markdown(records, command):
                      f"{fmt(c, 'other') if c else ''} |")
     groups = {}
     for r in records:  # the seeds of one configuration: its run_id without the _s<seed> suffix
-        groups.setdefault((re.sub(r"_s\d+$", "", r["run_id"]), r["step"]), []).append(r)
+        name = re.sub(rf"_s{r['seed']}$", "", r["run_id"])
+        groups.setdefault((name, r["mode"], r.get("vocab_size"), r["step"]), []).append(r)
     if any(len(g) > 1 for g in groups.values()):
         lines += ["", "Mean over seeds (sample standard deviation):", "",
                   "| configuration | step | seeds | test loss | bits/byte | + neural cache | cache: bits/byte |",
                   "|---|---|---|---|---|---|---|"]
-        for (name, step), rs in groups.items():
+        for (name, _, _, step), rs in groups.items():
             def stat(values):
                 if not values or any(v is None for v in values):
                     return "-"
