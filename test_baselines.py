@@ -132,6 +132,16 @@ def test_padded_last_row_changes_no_real_position():
                                rtol=0, atol=1e-6)
 
 
+def toy_val_split(folder, seed):
+    """folder/toy_val_000000.bin: documents of 40-120 tokens over 12 ids, 1400+ tokens; returns the tokens."""
+    rng = np.random.default_rng(seed)
+    tokens = []
+    while len(tokens) < 1400:
+        tokens += [BOS] + rng.integers(0, 12, int(rng.integers(40, 120))).tolist()
+    write_shard(folder / "toy_val_000000.bin", tokens, vocab=VOCAB)
+    return tokens
+
+
 def tiny_checkpoint(folder, cplm):
     hp = tg.parse_args(["--preset", "cpu", "--vocab_size", str(VOCAB), "--bos_id", str(BOS), "--num_layers", "2",
                         "--model_dim", "32", "--num_heads", "2", "--seq_len", "128", "--val_seq_len", "128",
@@ -152,11 +162,7 @@ def tiny_checkpoint(folder, cplm):
 
 
 def test_cli_scores_both_modes_and_tunes_the_cache_on_the_tuning_slice_only(tmp_path, capsys):
-    rng = np.random.default_rng(0)
-    tokens = []
-    while len(tokens) < 1400:
-        tokens += [BOS] + rng.integers(0, 12, int(rng.integers(40, 120))).tolist()
-    write_shard(tmp_path / "toy_val_000000.bin", tokens, vocab=VOCAB)
+    toy_val_split(tmp_path, seed=0)
     paths = [tiny_checkpoint(tmp_path, cplm) for cplm in (0, 1)]
     out = tmp_path / "report" / "slice"
     argv = [str(paths[0].parent), str(paths[1]), "--test_start", "400", "--test_tokens", "600", "--out", str(out)]
@@ -212,11 +218,7 @@ def test_long_report_reads_resumed_logs_and_both_crossing_rules(tmp_path):
 
 
 def test_cli_bits_per_byte_over_test_documents(tmp_path, capsys):
-    rng = np.random.default_rng(0)
-    tokens = []
-    while len(tokens) < 1400:
-        tokens += [BOS] + rng.integers(0, 12, int(rng.integers(40, 120))).tolist()
-    write_shard(tmp_path / "toy_val_000000.bin", tokens, vocab=VOCAB)
+    tokens = toy_val_split(tmp_path, seed=0)
     path = tiny_checkpoint(tmp_path, 0)
     out = tmp_path / "slice"
     argv = [str(path), "--test_documents", "6:12", "--out", str(out)]
@@ -270,11 +272,7 @@ def test_keep_done_scores_only_new_or_rewritten_checkpoints(tmp_path, monkeypatc
     calls = []
     real = ts.evaluate_checkpoint
     monkeypatch.setattr(ts, "evaluate_checkpoint", lambda *a: calls.append(a[0]) or real(*a))
-    rng = np.random.default_rng(1)
-    tokens = []
-    while len(tokens) < 1400:
-        tokens += [BOS] + rng.integers(0, 12, int(rng.integers(40, 120))).tolist()
-    write_shard(tmp_path / "toy_val_000000.bin", tokens, vocab=VOCAB)
+    toy_val_split(tmp_path, seed=1)
     first = tiny_checkpoint(tmp_path, 1)
     out = str(tmp_path / "slice")
     argv = [str(first.parent), "--test_start", "400", "--test_tokens", "600", "--out", out, "--keep_done", "1"]
