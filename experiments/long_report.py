@@ -6,7 +6,8 @@ Reads the two logs of records/prose_long (every validation: val loss, copyable a
 lambda), and where they exist the outputs of `experiments/mechanism.py induction` (records/prose_long/
 induction.json) and `experiments/test_slice.py` (records/prose_long/test_slice.json) on the runs' checkpoints.
 Writes OUT.md (one row per validation step both runs have reached) and OUT.png (both curves; the gap, over all
-targets, copyable and other, with vanilla's induction score beside it), and prints the table. A run still in
+targets, copyable and other, on the validation slice and at each checkpoint on the test slice, alone and with
+the neural cache, with vanilla's induction score beside it), and prints the table. A run still in
 progress is read as far as it got; a log resumed from a checkpoint repeats some steps: the last line wins.
 
 Convergence at each of vanilla's validation steps S (CPLM's steps to reach vanilla's val loss at S, over S):
@@ -100,7 +101,7 @@ def report(vanilla, cplm, induction, test_slice, command):
     return "\n".join(lines) + "\n", rows
 
 
-def plot(rows, vanilla, cplm, induction, path):
+def plot(rows, vanilla, cplm, induction, test_slice, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -114,6 +115,17 @@ def plot(rows, vanilla, cplm, induction, path):
     steps = [r["step"] for r in rows if r["step"] > 0]
     for key, label in (("gap", "all targets"), ("gap_copyable", "copyable"), ("gap_other", "other")):
         bottom.plot(steps, [r[key] for r in rows if r["step"] > 0], marker=".", label=f"gap, {label}")
+    both = sorted(s for (mode, s) in test_slice if mode == "vanilla" and ("cplm", s) in test_slice)
+
+    def scored(part):  # vanilla's test loss (alone or cached) minus CPLM's, at each checkpoint both have
+        return [test_slice[("vanilla", s)][part]["loss"] - test_slice[("cplm", s)]["test"]["loss"]
+                for s in both if part in test_slice[("vanilla", s)]]
+    if both:  # the held-out test slice, every checkpoint
+        bottom.plot(both, scored("test"), color="black", marker="s", ms=4, label="test slice: vanilla - CPLM")
+        cached = scored("cache")
+        if len(cached) == len(both):
+            bottom.plot(both, cached, color="black", ls=":", marker="^", ms=4,
+                        label="test slice: vanilla + neural cache - CPLM")
     bottom.axhline(0, color="black", lw=0.5)
     bottom.set_xlabel("step")
     bottom.set_ylabel("vanilla - CPLM (nats/token)")
@@ -125,8 +137,10 @@ def plot(rows, vanilla, cplm, induction, path):
                   label="vanilla: max prefix-matching score")
         twin.set_ylabel("max prefix-matching score", color="gray")
         twin.set_ylim(0, 1)
-        twin.legend(loc="upper center")
-    bottom.legend(loc="upper right")
+        twin.legend(loc="upper left", fontsize=8)
+    low, high = bottom.get_ylim()
+    bottom.set_ylim(low, high + 0.6 * (high - low))  # room above the curves for the legends
+    bottom.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -153,7 +167,7 @@ def main(argv=None):
     with open(where(args.out) + ".md", "w") as f:
         f.write(text)
     try:
-        plot(rows, vanilla, cplm, induction, where(args.out) + ".png")
+        plot(rows, vanilla, cplm, induction, test_slice, where(args.out) + ".png")
     except ImportError:
         print("long_report.py: matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
     print(text)
