@@ -266,6 +266,14 @@ def test_markdown_means_over_the_seeds_of_one_configuration():
     assert "| prose_cplm_lr0.5 | 1000 | 0,1 | 4.1000 +- 0.1414 | 1.1000 +- 0.1414 | - | - |" in table
     assert "| prose_sentinel_lr0.5 | 1000 | 1 | 5.0000 | 2.0000 | - | - |" in table
     assert "| prose_cplm_lr0.5_s12 | 1000 | 2 | 9.0000 |" in table
+    assert "Gaps over" not in table  # no vanilla partner: no gaps
+    vanilla = [record(f"prose_vanilla_lr0.5_s{s}", s, "vanilla", loss, 2.0) for s, loss in ((0, 5.0), (1, 5.3))]
+    for r, cached in zip(vanilla, (4.5, 4.4)):
+        r["cache"] = {**r["test"], "loss": cached, "theta": 0.1, "lambda": 0.3}
+    gaps = ts.markdown(records + vanilla, "cmd").split("Gaps over")[-1]
+    # vanilla - CPLM: 1.0 and 1.1 (paired over seeds 0 and 1); cache - CPLM: 0.5 and 0.2; sentinel: seed 1 only
+    assert "| prose_cplm_lr0.5 | 1000 | 0,1 | 1.0500 +- 0.0707 | 0.015 | 0.3500 +- 0.2121 | 0.13 |" in gaps
+    assert "| prose_sentinel_lr0.5 | 1000 | 1 | 0.3000 | - | -0.6000 | - |" in gaps
 
 
 def test_keep_done_scores_only_new_or_rewritten_checkpoints(tmp_path, monkeypatch):

@@ -259,12 +259,43 @@ def markdown(records, command):
             lines.append(f"| {name} | {step} | {','.join(str(r['seed']) for r in rs)} | {stat(pick('test', 'loss'))} "
                          f"| {stat(pick('test', 'bits_per_byte'))} | {stat(pick('cache', 'loss'))} | "
                          f"{stat(pick('cache', 'bits_per_byte'))} |")
+    pairs = paired_gaps(groups)
+    if pairs:
+        lines += ["", "Gaps over the seeds both ran (mean +- sd of the per-seed differences, nats per token; p: one-sided "
+                  "paired t-test of gap > 0):", "",
+                  "| configuration | step | seeds | vanilla - it | p | vanilla + neural cache - it | p |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += pairs
     if records:
         t = records[0]["test"]
         span = f", {t['bytes']} bytes" if "bytes" in t else ""
         lines += ["", f"Test slice: {t['tokens']} targets in {records[0]['test_documents']} whole documents{span}, "
                   f"{t['copy_share']:.1%} of the targets copyable (first record's tokenizer)."]
     return "\n".join(lines) + "\n"
+
+
+def paired_gaps(groups):
+    """Table rows: each CPLM or sentinel configuration against its vanilla partner (race.py's names: the mode's
+    word replaced by "vanilla"; the same V and step), over the seeds both have."""
+    rows = []
+    for (name, mode, vocab, step), rs in groups.items():
+        partner = groups.get((re.sub(rf"(^|_){mode}(_|$)", r"\1vanilla\2", name), "vanilla", vocab, step))
+        if mode == "vanilla" or not partner:
+            continue
+        mine, theirs = {r["seed"]: r for r in rs}, {r["seed"]: r for r in partner}
+        seeds = sorted(set(mine) & set(theirs))
+        if not seeds:
+            continue
+        cells = []
+        for part in ("test", "cache"):
+            if not all(part in theirs[s] for s in seeds):
+                cells += ["-", "-"]
+                continue
+            m, sd, p = race_report.gap_test({s: theirs[s][part]["loss"] for s in seeds},
+                                            {s: mine[s]["test"]["loss"] for s in seeds}, float)
+            cells += [f"{m:.4f}" + (f" +- {sd:.4f}" if sd is not None else ""), "-" if p is None else f"{p:.2g}"]
+        rows.append(f"| {name} | {step} | {','.join(map(str, seeds))} | {' | '.join(cells)} |")
+    return rows
 
 
 def main(argv=None):
