@@ -90,18 +90,17 @@ def slices(hp, test_start, test_tokens, documents=None):
         if begin < hp.val_tokens:
             raise EvalError(f"--test_documents {first_doc}:{end_doc}: document {first_doc} starts at token {begin}, "
                             f"inside the tuning slice ({hp.val_tokens} tokens) of {pattern}")
-        as_ids = lambda x: torch.from_numpy(x.astype(np.int64))  # noqa: E731
-        return as_ids(tokens[:hp.val_tokens + 1]), as_ids(tokens[begin:end + 1]), end_doc - first_doc
-    first = starts[starts >= test_start]
-    if test_start < hp.val_tokens or len(first) == 0:
-        raise EvalError(f"--test_start {test_start}: it must lie past the tuning slice ({hp.val_tokens} tokens) "
-                        f"and before the last document of the val split ({len(tokens)} tokens)")
-    begin = int(first[0])
-    later = starts[starts >= begin + test_tokens]
-    if len(later) == 0:
-        raise EvalError(f"--test_tokens {test_tokens}: the val split has {len(tokens) - begin} tokens after "
-                        f"--test_start {test_start}")
-    end = int(later[0])  # the test slice ends where the next document starts
+    else:
+        first = starts[starts >= test_start]
+        if test_start < hp.val_tokens or len(first) == 0:
+            raise EvalError(f"--test_start {test_start}: it must lie past the tuning slice ({hp.val_tokens} tokens) "
+                            f"and before the last document of the val split ({len(tokens)} tokens)")
+        begin = int(first[0])
+        later = starts[starts >= begin + test_tokens]
+        if len(later) == 0:
+            raise EvalError(f"--test_tokens {test_tokens}: the val split has {len(tokens) - begin} tokens after "
+                            f"--test_start {test_start}")
+        end = int(later[0])  # the test slice ends where the next document starts
     as_ids = lambda x: torch.from_numpy(x.astype(np.int64))  # noqa: E731
     return (as_ids(tokens[:hp.val_tokens + 1]), as_ids(tokens[begin:end + 1]),
             int(((starts >= begin) & (starts < end)).sum()))
@@ -231,8 +230,8 @@ def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
 
 def markdown(records, command):
     fmt = lambda x, key: f"{x[key]:.4f}" if x and key in x else "-"  # noqa: E731
-    lines = [f"    {command}", "", "| run | step | mode | V | test loss | bits/byte | copyable | other | + neural cache "
-             "(theta, lambda) | cache: bits/byte | cache: copyable | cache: other |",
+    lines = [f"    {command}", "", "| run | step | mode | V | test loss | bits/byte | copyable | other | "
+             "+ neural cache (theta, lambda) | cache: bits/byte | cache: copyable | cache: other |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         t, c = r["test"], r.get("cache")
@@ -251,18 +250,17 @@ def markdown(records, command):
                   "|---|---|---|---|---|---|---|"]
         for (name, _, _, step), rs in groups.items():
             def stat(values):
-                if not values or any(v is None for v in values):
+                if any(v is None for v in values):
                     return "-"
-                sd = f" +- {np.std(values, ddof=1):.4f}" if len(values) > 1 else ""
-                return f"{np.mean(values):.4f}{sd}"
+                return race_report.pm(*race_report.compare.mean_std(values), ".4f")
             pick = lambda part, key: [(r.get(part) or {}).get(key) for r in rs]  # noqa: E731
             lines.append(f"| {name} | {step} | {','.join(str(r['seed']) for r in rs)} | {stat(pick('test', 'loss'))} "
                          f"| {stat(pick('test', 'bits_per_byte'))} | {stat(pick('cache', 'loss'))} | "
                          f"{stat(pick('cache', 'bits_per_byte'))} |")
     pairs = paired_gaps(groups)
     if pairs:
-        lines += ["", "Gaps over the seeds both ran (mean +- sd of the per-seed differences, nats per token; p: one-sided "
-                  "paired t-test of gap > 0):", "",
+        lines += ["", "Gaps over the seeds both ran (mean +- sd of the per-seed differences, nats per token; "
+                  "p: one-sided paired t-test of gap > 0):", "",
                   "| configuration | step | seeds | vanilla - it | p | vanilla + neural cache - it | p |",
                   "|---|---|---|---|---|---|---|"]
         lines += pairs
@@ -293,7 +291,7 @@ def paired_gaps(groups):
                 continue
             m, sd, p = race_report.gap_test({s: theirs[s][part]["loss"] for s in seeds},
                                             {s: mine[s]["test"]["loss"] for s in seeds}, float)
-            cells += [f"{m:.4f}" + (f" +- {sd:.4f}" if sd is not None else ""), "-" if p is None else f"{p:.2g}"]
+            cells += [race_report.pm(m, sd, ".4f"), "-" if p is None else f"{p:.2g}"]
         rows.append(f"| {name} | {step} | {','.join(map(str, seeds))} | {' | '.join(cells)} |")
     return rows
 
