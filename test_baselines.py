@@ -272,8 +272,13 @@ def test_markdown_means_over_the_seeds_of_one_configuration():
         r["cache"] = {**r["test"], "loss": cached, "theta": 0.1, "lambda": 0.3}
     gaps = ts.markdown(records + vanilla, "cmd").split("Gaps over")[-1]
     # vanilla - CPLM: 1.0 and 1.1 (paired over seeds 0 and 1); cache - CPLM: 0.5 and 0.2; sentinel: seed 1 only
-    assert "| prose_cplm_lr0.5 | 1000 | 0,1 | 1.0500 +- 0.0707 | 0.015 | 0.3500 +- 0.2121 | 0.13 |" in gaps
-    assert "| prose_sentinel_lr0.5 | 1000 | 1 | 0.3000 | - | -0.6000 | - |" in gaps
+    # bits per byte: vanilla 2.0 (cached too) against CPLM's 1.0 and 1.2
+    assert ("| prose_cplm_lr0.5 | 1000 | 0,1 | 1.0500 +- 0.0707 | 0.9000 +- 0.1414 | 0.015 | 0.3500 +- 0.2121 | "
+            "0.9000 +- 0.1414 | 0.13 |") in gaps
+    assert "| prose_sentinel_lr0.5 | 1000 | 1 | 0.3000 | 0.0000 | - | -0.6000 | 0.0000 | - |" in gaps
+    del records[1]["test"]["bits_per_byte"]  # a record without bytes: no bits-per-byte gap, the rest as before
+    gaps = ts.markdown(records + vanilla, "cmd").split("Gaps over")[-1]
+    assert "| prose_cplm_lr0.5 | 1000 | 0,1 | 1.0500 +- 0.0707 | - | 0.015 | 0.3500 +- 0.2121 | - | 0.13 |" in gaps
 
 
 def test_keep_done_scores_only_new_or_rewritten_checkpoints(tmp_path, monkeypatch):

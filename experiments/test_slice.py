@@ -259,10 +259,10 @@ def markdown(records, command):
                          f"{stat(pick('cache', 'bits_per_byte'))} |")
     pairs = paired_gaps(groups)
     if pairs:
-        lines += ["", "Gaps over the seeds both ran (mean +- sd of the per-seed differences, nats per token; "
-                  "p: one-sided paired t-test of gap > 0):", "",
-                  "| configuration | step | seeds | vanilla - it | p | vanilla + neural cache - it | p |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "Gaps over the seeds both ran (mean +- sd of the per-seed differences, nats per token and bits "
+                  "per byte; p: one-sided paired t-test of gap > 0):", "",
+                  "| configuration | step | seeds | vanilla - it | bits/byte | p | vanilla + neural cache - it | "
+                  "bits/byte | p |", "|---|---|---|---|---|---|---|---|---|"]
         lines += pairs
     if records:
         t = records[0]["test"]
@@ -287,11 +287,15 @@ def paired_gaps(groups):
         cells = []
         for part in ("test", "cache"):
             if not all(part in theirs[s] for s in seeds):
-                cells += ["-", "-"]
+                cells += ["-", "-", "-"]
                 continue
-            m, sd, p = race_report.gap_test({s: theirs[s][part]["loss"] for s in seeds},
-                                            {s: mine[s]["test"]["loss"] for s in seeds}, float)
-            cells += [race_report.pm(m, sd, ".4f"), "-" if p is None else f"{p:.2g}"]
+            gap = lambda key: race_report.gap_test(  # noqa: E731
+                {s: theirs[s][part].get(key) for s in seeds}, {s: mine[s]["test"].get(key) for s in seeds}, float)
+            m, sd, p = gap("loss")
+            # in bits per byte, the gap of rows of different tokenizers on the same text compares
+            has_bytes = all("bits_per_byte" in x[s][k] for s in seeds for x, k in ((theirs, part), (mine, "test")))
+            cells += [race_report.pm(m, sd, ".4f"), race_report.pm(*gap("bits_per_byte")[:2], ".4f") if has_bytes
+                      else "-", "-" if p is None else f"{p:.2g}"]
         rows.append(f"| {name} | {step} | {','.join(map(str, seeds))} | {' | '.join(cells)} |")
     return rows
 
