@@ -785,12 +785,15 @@ def test_schedules():
 # the command line, end to end
 
 
-def test_cli_run_writes_a_complete_log(toy_data, tmp_path):
-    r = run_cli(tiny_flags(toy_data, tmp_path, cplm=1))
+@pytest.mark.parametrize("gate", ["lm", "sentinel"])
+def test_cli_run_writes_a_complete_log(toy_data, tmp_path, gate):
+    r = run_cli(tiny_flags(toy_data, tmp_path, cplm=1, copy_gate=gate))
     assert r.returncode == 0, r.stderr[-2000:]
     log = open(tmp_path / "run.txt").read()
     assert log.startswith(open(SCRIPT).read())  # the code that ran
     assert re.search(r"^hyperparameters: \{.*\"cplm\": 1", log, re.M)
+    # the one scalar that starts the gate closed, named for the gate it belongs to
+    assert re.search(rf"^parameters: [\d,]+ \(CP head and {'<copy>' if gate == 'lm' else 'sink'} bias: ", log, re.M)
     assert len(log_values(tmp_path / "run.txt", "train_loss")) == 6
     assert len(log_values(tmp_path / "run.txt", "val_loss")) == 3  # steps 0, 3, 6
     assert re.search(r"^step:6/6 copy_share:[\d.]+ nll_copyable:[\d.]+ nll_other:[\d.]+ lam:[\d.]+ c:[\d.]+ s:[\d.]+ "

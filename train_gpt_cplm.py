@@ -1653,7 +1653,8 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     optimizers = build_optimizers(model, a, rank, world_size, compiled=compile_model)
     n_params = sum(p.numel() for p in model.parameters())
     n_cp = sum(p.numel() for p in model.cp_head.parameters()) + 1 if model.cp_head is not None else 0  # + the bias
-    log(f"parameters: {n_params:,} (CP head and <copy> bias: {n_cp:,} = {100 * n_cp / n_params:.3f}%); "
+    gate_bias = "<copy> bias" if a.copy_gate == "lm" else "sink bias"  # the one scalar that starts the gate closed
+    log(f"parameters: {n_params:,} (CP head and {gate_bias}: {n_cp:,} = {100 * n_cp / n_params:.3f}%); "
         f"grad_accum: {grad_accum}; LM head: {'fp8' if fp8_head else 'bf16' if device.type == 'cuda' else 'fp32'}; "
         f"CP backend: {model.cp_backend if model.cp_head is not None else '-'}")
     compiled = torch.compile(model, dynamic=False) if compile_model else model
