@@ -267,6 +267,11 @@ def test_markdown_means_over_the_seeds_of_one_configuration():
     assert "| prose_sentinel_lr0.5 | 1000 | 1 | 5.0000 | 2.0000 | - | - |" in table
     assert "| prose_cplm_lr0.5_s12 | 1000 | 2 | 9.0000 |" in table
     assert "Gaps over" not in table  # no vanilla partner: no gaps
+    assert table.endswith("\nTest slice: 10 targets in 3 whole documents, 40 bytes, 50.0% of the targets copyable.\n")
+    other_v = {**records[0], "vocab_size": 2048, "test": {**records[0]["test"], "tokens": 12, "copy_share": 0.25}}
+    assert ts.markdown(records + [other_v], "cmd").endswith(  # the same documents, cut by each tokenizer
+        "Test slice, under each tokenizer:\n\n- V = 8192: 10 targets in 3 whole documents, 40 bytes, 50.0% of the "
+        "targets copyable\n- V = 2048: 12 targets in 3 whole documents, 40 bytes, 25.0% of the targets copyable\n")
     vanilla = [record(f"prose_vanilla_lr0.5_s{s}", s, "vanilla", loss, 2.0) for s, loss in ((0, 5.0), (1, 5.3))]
     for r, cached in zip(vanilla, (4.5, 4.4)):
         r["cache"] = {**r["test"], "loss": cached, "theta": 0.1, "lambda": 0.3}

@@ -264,11 +264,17 @@ def markdown(records, command):
                   "| configuration | step | seeds | vanilla - it | bits/byte | p | vanilla + neural cache - it | "
                   "bits/byte | p |", "|---|---|---|---|---|---|---|---|---|"]
         lines += pairs
-    if records:
-        t = records[0]["test"]
-        span = f", {t['bytes']} bytes" if "bytes" in t else ""
-        lines += ["", f"Test slice: {t['tokens']} targets in {records[0]['test_documents']} whole documents{span}, "
-                  f"{t['copy_share']:.1%} of the targets copyable (first record's tokenizer)."]
+    tokenizers = {}  # the same documents under each tokenizer, cut into as many targets as it makes of them
+    for r in records:
+        tokenizers.setdefault(r.get("vocab_size"), r)
+    slice_lines = [f"{t['tokens']} targets in {r['test_documents']} whole documents"
+                   f"{', %d bytes' % t['bytes'] if 'bytes' in t else ''}, {t['copy_share']:.1%} of the targets copyable"
+                   for r in tokenizers.values() for t in [r["test"]]]
+    if len(slice_lines) == 1:
+        lines += ["", f"Test slice: {slice_lines[0]}."]
+    elif slice_lines:
+        lines += ["", "Test slice, under each tokenizer:", ""]
+        lines += [f"- V = {vocab}: {line}" for vocab, line in zip(tokenizers, slice_lines)]
     return "\n".join(lines) + "\n"
 
 
