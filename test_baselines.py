@@ -268,19 +268,27 @@ def test_markdown_means_over_the_seeds_of_one_configuration():
     assert "| prose_cplm_lr0.5_s12 | 1000 | 2 | 9.0000 |" in table
     assert "Gaps over" not in table  # no vanilla partner: no gaps
     assert table.endswith("\nTest slice: 10 targets in 3 whole documents, 40 bytes, 50.0% of the targets copyable.\n")
+    older = {k: v for k, v in records[0].items() if k != "vocab_size"}  # a record from before vocab_size was kept
+    assert ts.markdown([older] + records, "cmd").endswith(table.splitlines()[-1] + "\n")
     other_v = {**records[0], "vocab_size": 2048, "test": {**records[0]["test"], "tokens": 12, "copy_share": 0.25}}
     assert ts.markdown(records + [other_v], "cmd").endswith(  # the same documents, cut by each tokenizer
         "Test slice, under each tokenizer:\n\n- V = 8192: 10 targets in 3 whole documents, 40 bytes, 50.0% of the "
         "targets copyable\n- V = 2048: 12 targets in 3 whole documents, 40 bytes, 25.0% of the targets copyable\n")
     vanilla = [record(f"prose_vanilla_lr0.5_s{s}", s, "vanilla", loss, 2.0) for s, loss in ((0, 5.0), (1, 5.3))]
     for r, cached in zip(vanilla, (4.5, 4.4)):
-        r["cache"] = {**r["test"], "loss": cached, "theta": 0.1, "lambda": 0.3}
+        r["cache"] = {**r["test"], "loss": cached, "bits_per_byte": 1.5, "theta": 0.1, "lambda": 0.3}
     gaps = ts.markdown(records + vanilla, "cmd").split("Gaps over")[-1]
     # vanilla - CPLM: 1.0 and 1.1 (paired over seeds 0 and 1); cache - CPLM: 0.5 and 0.2; sentinel: seed 1 only
-    # bits per byte: vanilla 2.0 (cached too) against CPLM's 1.0 and 1.2
+    # bits per byte: vanilla 2.0 (cached 1.5) against CPLM's 1.0 and 1.2
     assert ("| prose_cplm_lr0.5 | 1000 | 0,1 | 1.0500 +- 0.0707 | 0.9000 +- 0.1414 | 0.015 | 0.3500 +- 0.2121 | "
-            "0.9000 +- 0.1414 | 0.13 |") in gaps
-    assert "| prose_sentinel_lr0.5 | 1000 | 1 | 0.3000 | 0.0000 | - | -0.6000 | 0.0000 | - |" in gaps
+            "0.4000 +- 0.1414 | 0.13 |") in gaps
+    assert "| prose_sentinel_lr0.5 | 1000 | 1 | 0.3000 | 0.0000 | - | -0.6000 | -0.5000 | - |" in gaps
+    # vanilla's name at another V is no partner: no gap across tokenizers is taken from per-token losses
+    assert "Gaps over" not in ts.markdown(records + [{**r, "vocab_size": 2048} for r in vanilla], "cmd")
+    del vanilla[0]["cache"]["bits_per_byte"]  # one side without bytes: that column blank, the rest as before
+    gaps = ts.markdown(records + vanilla, "cmd").split("Gaps over")[-1]
+    assert ("| prose_cplm_lr0.5 | 1000 | 0,1 | 1.0500 +- 0.0707 | 0.9000 +- 0.1414 | 0.015 | 0.3500 +- 0.2121 | "
+            "- | 0.13 |") in gaps
     del records[1]["test"]["bits_per_byte"]  # a record without bytes: no bits-per-byte gap, the rest as before
     gaps = ts.markdown(records + vanilla, "cmd").split("Gaps over")[-1]
     assert "| prose_cplm_lr0.5 | 1000 | 0,1 | 1.0500 +- 0.0707 | - | 0.015 | 0.3500 +- 0.2121 | - | 0.13 |" in gaps

@@ -264,8 +264,8 @@ def markdown(records, command):
                   "| configuration | step | seeds | vanilla - it | bits/byte | p | vanilla + neural cache - it | "
                   "bits/byte | p |", "|---|---|---|---|---|---|---|---|---|"]
         lines += pairs
-    tokenizers = {}  # the same documents under each tokenizer, cut into as many targets as it makes of them
-    for r in records:
+    tokenizers = {}  # a line per tokenizer (with --test_documents: the same documents, cut into its targets)
+    for r in [r for r in records if "vocab_size" in r] or records:  # records older than the field: the others
         tokenizers.setdefault(r.get("vocab_size"), r)
     slice_lines = [f"{t['tokens']} targets in {r['test_documents']} whole documents"
                    f"{', %d bytes' % t['bytes'] if 'bytes' in t else ''}, {t['copy_share']:.1%} of the targets copyable"
@@ -298,7 +298,8 @@ def paired_gaps(groups):
             gap = lambda key: race_report.gap_test(  # noqa: E731
                 {s: theirs[s][part].get(key) for s in seeds}, {s: mine[s]["test"].get(key) for s in seeds}, float)
             m, sd, p = gap("loss")
-            # in bits per byte, the gap of rows of different tokenizers on the same text compares
+            # bits per byte: the unit in which the gaps of configurations of different V compare, when each was
+            # scored on the same documents (--test_documents)
             has_bytes = all("bits_per_byte" in x[s][k] for s in seeds for x, k in ((theirs, part), (mine, "test")))
             cells += [race_report.pm(m, sd, ".4f"), race_report.pm(*gap("bits_per_byte")[:2], ".4f") if has_bytes
                       else "-", "-" if p is None else f"{p:.2g}"]
