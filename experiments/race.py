@@ -70,11 +70,13 @@ RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens
 # was 0.5), which needs no sweep there:
 #   python experiments/race.py --study prose --stage rows --scale 0.5 --out records/prose_v2 --seeds 0,1,2 \
 #       --only vanilla,cplm,sentinel,vanilla_reordered,cplm_reordered
-# and the V/D rows beside them, scored on the same text under every tokenizer (bits per byte of the headline's
-# test documents, which are documents 19:142 of the val split in every prose corpus):
-#   python experiments/race.py --study prose --stage rows --scale 0.5 --out records/prose_v2 --seeds 0,1,2 \
+# and the V/D rows beside them (seed 0 in records/prose_v2), scored with the headline's on the same text under
+# every tokenizer (bits per byte of the headline's test documents, documents 19:142 of the val split in every
+# prose corpus):
+#   python experiments/race.py --study prose --stage rows --scale 0.5 --out records/prose_v2 --seeds 0 \
 #       --only v2048_vanilla,v2048_cplm,v32768_vanilla,v32768_cplm,bytes_vanilla,bytes_cplm
-#   python experiments/test_slice.py records/prose_v2/logs/prose_{v2048,v32768,bytes}_*_s?/state_step001000.pt \
+#   python experiments/test_slice.py \
+#       records/prose_v2/logs/prose_{vanilla,cplm,v2048_*,v32768_*,bytes_*}_lr0.5_s0/state_step001000.pt \
 #       --test_documents 19:142 --out records/prose_v2/vd_same_bytes
 PROSE_BUDGET = ["--val_seq_len", "1024", "--num_iterations", "1000", "--val_loss_every", "50", "--val_tokens", "32768",
                 "--compile", "1",  # inductor on CPU: a CPLM step 1.55 -> 1.1 s (one thread), after ~1 min compiling
