@@ -264,17 +264,18 @@ def markdown(records, command):
                   "| configuration | step | seeds | vanilla - it | bits/byte | p | vanilla + neural cache - it | "
                   "bits/byte | p |", "|---|---|---|---|---|---|---|---|---|"]
         lines += pairs
-    tokenizers = {}  # a line per tokenizer (with --test_documents: the same documents, cut into its targets)
+    slice_of = {}  # V -> the slice in its tokens (with --test_documents: the same documents under every V)
     for r in [r for r in records if "vocab_size" in r] or records:  # records older than the field: the others
-        tokenizers.setdefault(r.get("vocab_size"), r)
-    slice_lines = [f"{t['tokens']} targets in {r['test_documents']} whole documents"
-                   f"{', %d bytes' % t['bytes'] if 'bytes' in t else ''}, {t['copy_share']:.1%} of the targets copyable"
-                   for r in tokenizers.values() for t in [r["test"]]]
-    if len(slice_lines) == 1:
-        lines += ["", f"Test slice: {slice_lines[0]}."]
-    elif slice_lines:
+        t = r["test"]
+        if r.get("vocab_size") not in slice_of:
+            slice_of[r.get("vocab_size")] = (f"{t['tokens']} targets in {r['test_documents']} whole documents"
+                                             f"{', %d bytes' % t['bytes'] if 'bytes' in t else ''}, "
+                                             f"{t['copy_share']:.1%} of the targets copyable")
+    if len(slice_of) == 1:
+        lines += ["", f"Test slice: {next(iter(slice_of.values()))}."]
+    elif slice_of:
         lines += ["", "Test slice, under each tokenizer:", ""]
-        lines += [f"- V = {vocab}: {line}" for vocab, line in zip(tokenizers, slice_lines)]
+        lines += [f"- V = {vocab}: {text}" for vocab, text in slice_of.items()]
     return "\n".join(lines) + "\n"
 
 
