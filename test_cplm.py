@@ -846,6 +846,7 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     (["--preset", "cpu", "--cp_backend", "flex"], "--cp_backend flex needs a CUDA GPU"),
     (["--run_id", "r" * 300], "--run_id is 300 characters: at most 200"),
     (["--log_dir", ""], "--log_dir must name a folder"),
+    (["--num_layers", "3"], "--num_layers must be even"),  # once accepted, then 'pop from empty list' (U-net)
 ])
 def test_bad_values_are_usage_errors(args, message):
     with pytest.raises(tg.UsageError, match=re.escape(message)):

@@ -1,9 +1,13 @@
 """GPU pre-flight on CPU (records/gpu/preflight.py): every graph the CUDA path compiles is pushed through
 inductor's lowering, and must stop only where a GPU is needed (Triton, a CUDA device query), never at a
 lowering error. Tracing alone (test_cplm.py's aot_eager test) cannot see a lowering failure."""
+import contextlib
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -130,41 +134,156 @@ def test_preflight_reports_a_lowering_error():
         preflight.expect_gpu_stops(results, ["forward", "backward"])
 
 
-def test_first_call_dry_run_reports_through_a_failure_and_a_hang(tmp_path):
-    """records/gpu/first_call.py on CPU at a tiny size, as the GPU machine would run it, with CPLM (flex)
-    made to fail before its warm-up (the dense CP fallback takes its place) and the reference check made to
-    take the GPU turn and hang (killed past its share): the report still comes out, whole, within the
-    deadline, and names what failed."""
+ROOT = os.path.dirname(os.path.abspath(__file__))
+FIRST_CALL = [sys.executable, "records/gpu/first_call.py"]
+
+
+def toy_shards(folder):
+    """GPT-2-like train and val shards: ids below 300, documents each starting with 50256."""
     import numpy as np
-    data = tmp_path / "data"
-    data.mkdir()
+    folder.mkdir()
     rng = np.random.default_rng(0)
     for split, n in (("train", 40_000), ("val", 4_000)):
         tokens = rng.integers(0, 300, n)
-        tokens[::rng.integers(150, 400)] = 50256  # documents, each starting with GPT-2's end-of-text
+        tokens[::rng.integers(150, 400)] = 50256
         tokens[0] = 50256
         header = np.zeros(256, dtype="<i4")
         header[:3] = [20240520, 1, n]
-        (data / f"toy_{split}_000000.bin").write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
-    out = tmp_path / "out"
-    deadline = 90
-    locks = set(__import__("glob").glob("/tmp/cplm_gpu_turn_*.lock"))
-    t0 = __import__("time").monotonic()
-    r = __import__("subprocess").run(
-        [sys.executable, "records/gpu/first_call.py", "--dry_run", "--out", str(out), "--data", str(data),
-         "--steps", "6", "--deadline_s", str(deadline), "--inject", "cplm:fail,refcheck:hang"],
-        cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=deadline + 30)
-    elapsed = __import__("time").monotonic() - t0
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert elapsed < deadline
-    assert sorted(os.listdir(out)) == ["logs.tar.gz", "report.txt"]  # within the device tool's 8 files
-    assert set(__import__("glob").glob("/tmp/cplm_gpu_turn_*.lock")) <= locks  # its lock file removed
-    report = (out / "report.txt").read_text()
+        (folder / f"toy_{split}_000000.bin").write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
+
+
+def start_first_call(tmp_path, inject, deadline):
+    """records/gpu/first_call.py --dry_run (CPU, tiny, 4 timed steps) with its work folder under tmp_path/tmp."""
+    toy_shards(tmp_path / "data")
+    (tmp_path / "tmp").mkdir()
+    cmd = FIRST_CALL + ["--dry_run", "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--steps", "4",
+                        "--deadline_s", str(deadline), "--inject", inject]
+    with open(tmp_path / "stdout.txt", "w") as stdout:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+
+
+def watch_out(proc, out, until=lambda names: False, timeout=200):
+    """Every name seen in $OUT while proc runs (polled every 50 ms), until proc ends or until(names) holds."""
+    seen, t0 = set(), time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < timeout:
+        names = set(os.listdir(out)) if out.exists() else set()
+        seen |= names
+        if until(names):
+            break
+        time.sleep(0.05)
+    return seen
+
+
+def run_first_call(tmp_path, inject, deadline):
+    """Runs it to the end: (its report, its wall time, every name seen in $OUT meanwhile)."""
+    t0 = time.monotonic()
+    proc = start_first_call(tmp_path, inject, deadline)
+    seen = watch_out(proc, tmp_path / "out", timeout=deadline + 30)
+    assert proc.wait(timeout=30) == 0, (tmp_path / "stdout.txt").read_text()[-3000:]
+    elapsed = time.monotonic() - t0
+    assert sorted(os.listdir(tmp_path / "out")) == ["logs.tar.gz", "report.txt"]
+    assert seen <= {"logs.tar.gz", "report.txt"}, seen  # never more: within the device tool's 8 files
+    assert not list((tmp_path / "tmp").glob("first_call_*"))  # the work folder (logs, the GPU turn's lock) removed
+    return (tmp_path / "out" / "report.txt").read_text(), elapsed, seen
+
+
+def test_first_call_dry_run_reports_through_a_failure_and_a_hang(tmp_path):
+    """first_call.py on CPU at a tiny size, as the GPU machine would run it: CPLM (flex) made to fail before its
+    warm-up (the dense CP fallback takes its place, made to compile 10 s longer) and the reference check made to
+    take the GPU turn and hang (killed past its share). Vanilla is timed while the fallback compiles, so once the
+    fallback is timed it is timed again (vanilla_quiet), and the ratio compares the two quiet windows; then each
+    mode's evaluation. The report comes out whole within the deadline and names what failed."""
+    report, elapsed, _ = run_first_call(tmp_path, "cplm:fail,refcheck:hang,cplm_dense:slow_compile", deadline=120)
+    assert elapsed < 120  # about 50 s on 2 idle cores; the deadline leaves room for a loaded machine
     assert "bf16 GEMM 512^3:" in report and "FP8 _scaled_mm smoke test: relative error" in report
     assert "cplm: exit 7 -- injected failure before warm-up" in report
     assert "CPLM with the dense CP sums instead" in report
     assert "refcheck: killed (past its share of the GPU, 5s)" in report
-    assert re.search(r"^vanilla: ok; compile \+ warm-up \d+s; steps 6; step time [\d.]+ ms", report, re.M), report
-    assert re.search(r"^cplm_dense: ok; .*steps 6; step time [\d.]+ ms", report, re.M), report
-    assert re.search(r"^cplm_dense/vanilla step time ratio: \d\.\d{3} \(the dense CP sums: flex failed\)$", report, re.M)
+    losses = r"train loss 1:[\d.]+, 2:[\d.]+, 3:[\d.]+, 4:[\d.]+; peak memory training - MiB; recompiles after " \
+        r"warm-up 0$"
+    assert re.search(r"^vanilla: ok; compile \+ warm-up \d+s; steps 4; step time [\d.]+ ms \(steps 2-4, timed while "
+                     r"cplm_dense compiled; 1/2 ms resolution\); " + losses, report, re.M), report
+    for name in ("cplm_dense", "vanilla_quiet"):
+        assert re.search(rf"^{name}: ok; .*; steps 4; step time [\d.]+ ms \(steps 2-4, no compile beside it; 1/2 ms "
+                         r"resolution\); " + losses, report, re.M), report
+    assert re.search(r"^cplm_dense/vanilla step time ratio: \d\.\d{3} \(cplm_dense: steps 2-4, no compile beside it; "
+                     r"vanilla_quiet: steps 2-4, no compile beside it; the dense CP sums: flex failed\)$", report, re.M)
+    assert re.search(r"^vanilla: [\d.]+ ms a step \(vanilla_quiet\)", report, re.M)
+    for name in ("cplm", "vanilla"):  # the only evaluation: the val loss at step 0
+        assert re.search(rf"^eval_{name}: ok; val loss at step 0 \d+\.\d{{4}};", report, re.M), report
     assert re.search(r"^timed rows: sum L\^2 / T\^2 = 0\.\d{3}", report, re.M)
+
+
+def test_first_call_dry_run_times_vanilla_while_cplm_never_compiles(tmp_path):
+    """CPLM's compile never ends: vanilla is still timed (while CPLM compiles, which the report says), CPLM is
+    reported as never compiled, and the report comes out within the deadline (which this test waits for: the
+    reference check is made to fail at once, so that vanilla has the cores)."""
+    report, elapsed, _ = run_first_call(tmp_path, "cplm:compile_hang,refcheck:fail", deadline=45)
+    assert elapsed < 45
+    assert re.search(r"^vanilla: ok; compile \+ warm-up \d+s; steps 4; step time [\d.]+ ms \(steps 2-4, timed while "
+                     r"cplm compiled;", report, re.M), report
+    assert re.search(r"^cplm: killed \(at the deadline\) after \d+s; never finished compiling; steps 0; step time none",
+                     report, re.M), report
+    assert "cplm/vanilla step time ratio: none" in report and "vanilla_quiet" not in report
+
+
+def test_first_call_killed_midway_leaves_only_the_report_and_the_tarball(tmp_path):
+    """SIGKILLed (as the device tool does at its limit) right after the logs were first packed: $OUT holds
+    report.txt, with what was known, and a whole logs.tar.gz, and never held anything else."""
+    import tarfile
+    proc = start_first_call(tmp_path, "cplm:fail,refcheck:hang", deadline=90)
+    try:
+        seen = watch_out(proc, tmp_path / "out", until=lambda names: "logs.tar.gz" in names, timeout=120)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert seen <= {"logs.tar.gz", "report.txt"} and "logs.tar.gz" in seen, seen
+        assert sorted(os.listdir(tmp_path / "out")) == ["logs.tar.gz", "report.txt"]
+        assert "cplm: exit 7" in (tmp_path / "out" / "report.txt").read_text()
+        with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
+            assert "logs/cplm.stdout" in tar.getnames()
+    finally:  # its jobs run in sessions of their own: they outlive it
+        proc.kill()
+        for _ in range(2):
+            for pid in [int(x) for x in os.listdir("/proc") if x.isdigit() and int(x) != os.getpid()]:
+                try:
+                    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                except OSError:
+                    continue
+                if f"TMPDIR={tmp_path / 'tmp'}".encode() in environ:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+
+
+def test_first_call_without_data_says_how_to_make_it(tmp_path):
+    """No shards at --data (or a file that is not one): one line naming the command that makes them, exit 1,
+    nothing started or written."""
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x_train_000000.bin").write_bytes(b"not a shard")
+    for data, problem in ((tmp_path / "none", "no *_train_*.bin shards"), (tmp_path / "bad", "is not a shard")):
+        r = subprocess.run(FIRST_CALL + ["--dry_run", "--out", str(tmp_path / "out"), "--data", str(data)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and problem in r.stderr, r.stderr
+        assert "python3 records/gpu/prepare_gpu_data.py" in r.stderr
+        assert not (tmp_path / "out").exists()
+
+
+def test_first_call_packs_across_filesystems(tmp_path, monkeypatch):
+    """Where the work folder and $OUT are on different filesystems (no rename between them), the tarball is
+    copied in; $OUT still holds only the two files."""
+    import errno
+    import tarfile
+    import first_call  # records/gpu, beside preflight
+    (tmp_path / "out").mkdir()
+    (tmp_path / "work" / "logs").mkdir(parents=True)
+    (tmp_path / "work" / "logs" / "vanilla.stdout").write_text("warm-up done\n")
+    report = first_call.Report(str(tmp_path / "out"), str(tmp_path / "work"))
+
+    def no_rename(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+    monkeypatch.setattr(first_call.os, "replace", no_rename)
+    report.pack()
+    assert sorted(os.listdir(tmp_path / "out")) == ["logs.tar.gz", "report.txt"]
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
+        assert tar.getnames() == ["logs/vanilla.stdout"]

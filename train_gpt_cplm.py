@@ -48,7 +48,7 @@ class Hyperparameters:
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of train shards
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of val shards
-    val_tokens: int = 10485760  # the first val_tokens tokens of the val files are the validation set
+    val_tokens: int = 10485760  # the first val_tokens tokens of the val files are the validation set; 0: none
     vocab_size: int = 0  # tokenizer ids (<copy> is id vocab_size); 0: the shards' header, else GPT-2's 50257
     bos_id: int = -1  # starts every document (attention and copying never cross it); -1: vocab_size - 1
     # batch: one optimizer step sees batch_size tokens = (batch_size // seq_len) rows of seq_len tokens,
@@ -180,11 +180,14 @@ def check_args(a: Hyperparameters):
     need(a.seq_len > 0 and a.seq_len % 128 == 0, f"--seq_len must be a positive multiple of 128, not {a.seq_len}")
     need(a.val_seq_len > 0 and a.val_seq_len % 128 == 0, "--val_seq_len must be a positive multiple of 128")
     need(a.batch_size > 0 and a.batch_size % a.seq_len == 0, "--batch_size must be a multiple of --seq_len")
-    need(a.val_tokens > 0 and a.val_tokens % a.val_seq_len == 0, "--val_tokens must be a multiple of --val_seq_len")
+    need(a.val_tokens >= 0 and a.val_tokens % a.val_seq_len == 0,
+         "--val_tokens must be a multiple of --val_seq_len (0: no validation)")
+    need(a.val_tokens > 0 or a.target_val_loss == 0, "--target_val_loss needs validation: --val_tokens > 0")
     need(a.num_heads >= 1 and a.model_dim >= a.num_heads, "--num_heads must be >= 1 and --model_dim >= --num_heads")
     need(a.model_dim % a.num_heads == 0 and (a.model_dim // a.num_heads) % 4 == 0,
          "--model_dim must be num_heads x head_dim with head_dim a multiple of 4")
-    need(a.num_layers >= 1 and a.num_iterations >= 0, "--num_layers must be >= 1 and --num_iterations >= 0")
+    need(a.num_layers >= 2 and a.num_layers % 2 == 0 and a.num_iterations >= 0, "--num_layers must be even and "
+         "positive (the U-net pairs each layer of the first half with one of the second), --num_iterations >= 0")
     need(0 <= a.attn_window_start <= a.attn_window, "need 0 <= --attn_window_start <= --attn_window")
     need(a.no_attention_layer >= -1, "--no_attention_layer is a layer index, or -1 for none")
     need(a.fp8_head in (-1, 0, 1) and a.cp_backend in ("auto", "flex", "dense"),
@@ -700,7 +703,7 @@ def window_pattern(num_layers):
     """Long (True) or short window per layer: the record's [L S S S L S | S L S S S L] for 12 layers, i.e.
     every 4th encoder layer long, mirrored in the decoder."""
     encoder = [i % 4 == 0 for i in range(num_layers // 2)]
-    return encoder + (num_layers % 2) * [True] + encoder[::-1]
+    return encoder + encoder[::-1]
 
 
 class GPT(nn.Module):
@@ -771,7 +774,7 @@ class GPT(nn.Module):
         cap = self.config.logit_softcap
         # CPU evaluation computes the head 1024 positions at a time: its (T, V) tensors then fit the holes that
         # training's leave in the heap (use_heap_for_large_tensors), so validation adds nothing to the peak
-        on_cpu = h.device.type == "cpu"
+        on_cpu = self.attention_backend == "dense"  # the CPU path (the GPU pre-flight lowers the CUDA one on a CPU)
         pieces = [slice(lo, lo + 1024) for lo in range(0, h.size(1), 1024)] if token_stats and on_cpu else None
         head_out = self.lm_head(h) if pieces is None else None
         copyable = None  # vanilla training never needs it: no sort on that hot path
@@ -784,8 +787,11 @@ class GPT(nn.Module):
                 nll = VanillaLossCPU.apply(head_out, target_ids, cap)
             elif lean:
                 nll = VanillaLossCPU.mean(VanillaLossCPU.token_nll(head_out, target_ids, cap))
+            elif pieces is None and token_stats:  # lse - z_y: no (T, V) float32 tensor at 256Ki-token rows
+                lse_without_copy, z_copy, z_y = lm_head_terms(head_out, target_ids, self.config.copy_id, cap)
+                nll = torch.logaddexp(lse_without_copy, z_copy) - z_y
             elif pieces is None:
-                nll = vanilla_nll(head_out, target_ids, cap, reduction="none" if token_stats else "mean")
+                nll = vanilla_nll(head_out, target_ids, cap)
             else:  # CPU evaluation: per-token nll, each piece in chunks of rows when eager (inductor fuses them)
                 rows = None if torch.compiler.is_compiling() else 32
                 nll = torch.cat([VanillaLossCPU.token_nll(self.lm_head(h[:, p]), target_ids[:, p], cap, rows)
@@ -883,6 +889,11 @@ def target_in_context(input_ids, target_ids, doc_ids, vocab):
     return (keys.gather(-1, i) == wanted) & (order.gather(-1, i) <= pos)
 
 
+# the CP head's FlexAttention kernels: 8 warps share inductor's 128 x 128 tile for head dim 64 on sm_90, where 4
+# spilled registers in both forward kernels (ptxas's report, records/gpu/README.md; test_gpu_kernels.py)
+CP_KERNEL_OPTIONS = {"num_warps": 8}
+
+
 def copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk=512):
     """The CP head's two row-wise log-sum-exps of a_t(tau) = q_t . k_tau / sqrt(d), over tau <= t in t's
     document (lse_doc) and over those with x_tau = y_t (lse_match). A row with nothing to copy gets its own
@@ -902,10 +913,10 @@ def copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk=512
         doc_mask = flex_document_mask(doc_ids, document_blocks(doc_ids))
         match_mask = document_block_mask(document_blocks(doc_ids, all_partial=True), match_mod)
         # the value is k (unused): only the LSEs, with their gradients, enter the loss
-        doc_out, doc_aux = flex_attention(q4, k4, k4, block_mask=doc_mask, scale=scale,
-                                          return_aux=AuxRequest(lse=True))
+        doc_out, doc_aux = flex_attention(q4, k4, k4, block_mask=doc_mask, scale=scale, return_aux=AuxRequest(lse=True),
+                                          kernel_options=CP_KERNEL_OPTIONS)
         match_out, match_aux = flex_attention(q4, k4, k4, block_mask=match_mask, scale=scale,
-                                              return_aux=AuxRequest(lse=True))
+                                              return_aux=AuxRequest(lse=True), kernel_options=CP_KERNEL_OPTIONS)
         # an exact zero from each output (finite: a mean of keys) gives flex's backward a real grad_out;
         # left unused, grad_out is None there, which eager replaces by zeros but inductor's lowering cannot
         doc_zero, match_zero = (0 * out[:, 0, :, 0].float() for out in (doc_out, match_out))
@@ -1028,7 +1039,11 @@ def lm_head_terms(head_out, target_ids, copy_id, softcap=0.0):
     so neither the forward nor the backward keeps an (N, V) float32 tensor (measured: experiments/lm_head_memory.py)."""
     slot = torch.arange(head_out.size(-1), device=head_out.device)
     z = soft_cap(head_out, softcap)
-    lse_without_copy = torch.where(slot == copy_id, float("-inf"), z).logsumexp(-1)
+    if 0 < softcap <= 30:  # z in [0, 2 cap]: no exp overflows float32, so no max pass; read twice (max, then
+        # sum), z became a written (N, V) float32 buffer: 52.7 GB at a 256Ki-token validation row
+        lse_without_copy = torch.where(slot == copy_id, 0, z.exp()).sum(-1).log()
+    else:
+        lse_without_copy = torch.where(slot == copy_id, float("-inf"), z).logsumexp(-1)
     z_copy = soft_cap(head_out[..., copy_id], softcap)
     z_y = soft_cap(torch.where(slot == target_ids[..., None], head_out, 0).sum(-1), softcap)  # one term: exact
     return lse_without_copy, z_copy, z_y
@@ -1699,13 +1714,15 @@ def train(a: Hyperparameters, log, rank, world_size, device):
                        optimizers=[clone_state(o.state_dict()) for o in optimizers])
         for step in range(a.warmup_steps):
             train_step(step)
-        evaluate(compiled, val_tokens[:a.val_seq_len + 1], dataclasses.replace(a, val_tokens=a.val_seq_len),
-                 window_tensor(0), 0, 1, device)
+        if a.val_tokens > 0:  # --val_tokens 0 (a timing run): no evaluation graph to compile
+            evaluate(compiled, val_tokens[:a.val_seq_len + 1], dataclasses.replace(a, val_tokens=a.val_seq_len),
+                     window_tensor(0), 0, 1, device)
         model.load_state_dict(initial["model"])
         for opt, state in zip(optimizers, initial["optimizers"]):
             opt.load_state_dict(state)
         loader.set_state({"position": 0})
-        log(f"warm-up done: {a.warmup_steps} steps and one validation row, untimed; model and optimizers reset")
+        log(f"warm-up done: {a.warmup_steps} steps" + (" and one validation row" if a.val_tokens else "")
+            + ", untimed; model and optimizers reset")
 
     start_step, training_time_ms = 0, 0.0
     if checkpoint is not None:  # the clock and the schedule continue where they stopped
@@ -1748,12 +1765,14 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     step, result, start_ms = start_step, None, training_time_ms
     while True:
         last = step == a.num_iterations
-        if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
+        validate = a.val_tokens > 0 and (last or (a.val_loss_every > 0 and step % a.val_loss_every == 0))
+        if validate or last:  # the clock stops during validation, and at the end
             synchronize()
-            training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops during validation
+            training_time_ms += 1000 * (time.perf_counter() - t0)
             if device.type == "cuda":
                 peak_train = max(peak_train, torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
+        if validate:
             result = evaluate(compiled, val_tokens, a, window_tensor(step), rank, world_size, device)
             if device.type == "cuda":
                 peak_eval = max(peak_eval, torch.cuda.max_memory_allocated())
@@ -1769,6 +1788,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
             if 0 < a.target_val_loss and result["val_loss"] <= a.target_val_loss:
                 log(f"target val_loss {a.target_val_loss} reached at step {step}")
                 last = True
+        if validate or last:
             synchronize()
             t0 = time.perf_counter()
         if rank == 0 and step > start_step and ((a.checkpoint_every > 0 and step % a.checkpoint_every == 0)
@@ -1782,12 +1802,14 @@ def train(a: Hyperparameters, log, rank, world_size, device):
             break
         train_loss = train_step(step)
         step += 1
+        log_loss = a.train_loss_every > 0 and step % a.train_loss_every == 0
+        if log_loss:  # .item() waits for the GPU before the clock is read: train_time on these lines is exact
+            train_loss = all_reduce_sum(train_loss, world_size).item() / world_size
         approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
         timing = f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms"
         left_s = (approx_ms - start_ms) / (step - start_step) * (a.num_iterations - step) / 1000
         eta = f" (eta {int(left_s // 60)}m{int(left_s % 60):02d}s of training)"
-        if a.train_loss_every > 0 and step % a.train_loss_every == 0:  # .item() waits for the GPU
-            train_loss = all_reduce_sum(train_loss, world_size).item() / world_size
+        if log_loss:
             log(f"step:{step}/{a.num_iterations} train_loss:{train_loss:.4f} {timing}", console_extra=eta)
             if not math.isfinite(train_loss):
                 log(f"stopped: train_loss is {train_loss} at step {step}; lower the learning rates or check the data")
@@ -1802,7 +1824,8 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     else:
         import resource
         log(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
-    log(f"final val_loss:{result['val_loss']:.4f} train_time:{training_time_ms:.0f}ms steps:{step}")
+    val = f"val_loss:{result['val_loss']:.4f} " if result else ""  # --val_tokens 0: no val loss to give
+    log(f"final {val}train_time:{training_time_ms:.0f}ms steps:{step}")
     if gpu_turn is not None:
         gpu_turn.close()
     return 0

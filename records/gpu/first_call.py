@@ -3,62 +3,83 @@
     python3 records/gpu/first_call.py --out "$OUT"                 # on the GPU machine (records/gpu/README.md)
     python3 records/gpu/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny, in a minute
 
-Under one global deadline (default 570 s, inside the device call's 590), and writing its report as it goes:
-  1. versions, the GPU, a bf16 GEMM rate and an FP8 (_scaled_mm) smoke test, in this process;
-  2. three jobs side by side, each its own process (plain python3, world size 1): vanilla and CPLM (flex) on
-     the speedrun preset with one 48Ki-token row a step, and the CUDA CP loss against the dense reference
-     (cuda_cp_check.py). They compile at the same time on the machine's cores; only the timed loops take
-     turns on the GPU (a file lock, CPLM_GPU_TURN, taken after the untimed warm-up). Coordinate-descent
-     tuning is off (--coordinate_descent 0): the record's kernels are tuned with it, these are not;
+--data is checked first (train and val shards there and readable; else one line naming the command that
+makes them, exit 1). Then, under one global deadline (default 570 s, inside the device call's 590):
+  1. three jobs started side by side, each its own process (plain python3, world size 1): vanilla and CPLM
+     (flex) on the speedrun preset with one 48Ki-token row a step, and the CUDA CP loss against the dense
+     reference (cuda_cp_check.py). They compile at the same time on the machine's cores; only the timed loops
+     take turns on the GPU (a file lock, CPLM_GPU_TURN, taken after the untimed warm-up), each as soon as it
+     is warm, whatever the others are doing: a slow CPLM compile costs nothing of vanilla's number. The
+     training jobs run with --val_tokens 0 (no validation: no evaluation graph to compile) and
+     --train_loss_every 10; coordinate-descent tuning is off (--coordinate_descent 0): the record's kernels
+     are tuned with it, these are not;
+  2. meanwhile, in this process: versions, the GPU, a bf16 GEMM rate and an FP8 (_scaled_mm) smoke test;
   3. if CPLM (flex) dies before its warm-up ends and time is left, CPLM with the dense CP sums (one chunk
      per row: one compiled shape) in its place;
-  4. if time is left, one evaluation of each mode at the record's 256Ki-token rows (its memory);
-  5. the report (report.txt), from whatever came back: per job the compile time, the step time over one
-     synchronised window between two validations (0.1 ms), validation losses, peak memory of training and of
-     validation apart, recompiles after warm-up; the CPLM / vanilla step-time ratio; sum L^2 / T^2 of the
-     timed rows; which parts failed and why. The logs are packed into logs.tar.gz (the device tool returns
-     at most 8 files).
-A job that fails, hangs or outlives its share of the deadline is killed and reported; the report always comes
-out. --dry_run does all of it on the CPU at a tiny size (the test suite runs it, with a job made to fail and
-one made to hang).
+  4. if vanilla's timed loop ran while another job compiled and, once CPLM's timed loop is done, time is
+     left: vanilla once more (vanilla_quiet; its compile cache is warm by then), whose window the ratio uses;
+  5. if time is left, one evaluation of each mode at the record's 256Ki-token rows (its memory and the val
+     loss at step 0: the only evaluation);
+  6. the report, from whatever came back: per job the compile time, the step time over the second half of
+     the timed steps (between two train_loss lines, each read after a host sync: steps 20-40, 1/20 ms
+     resolution) and whether another job was compiling during its timed loop, the train losses (the sign
+     that training works), peak training memory, recompiles after warm-up; the CPLM / vanilla step-time ratio
+     and which windows it compares; sum L^2 / T^2 of the timed rows; which parts failed and why.
+$OUT only ever holds report.txt (written line by line, flushed) and logs.tar.gz (the children's logs, kept in
+a work folder under $TMPDIR and packed again, whole, each time a job ends): a kill at any moment leaves at
+most those two files, and the device tool returns at most 8. A job that fails, hangs or outlives its share of
+the deadline is killed and reported; the report always comes out. --dry_run does all of it on the CPU at a
+tiny size; the test suite runs it with jobs made to fail, hang, compile slowly or compile forever (--inject).
 """
 import argparse
 import contextlib
-import json
+import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 RECORD_STEP_MS = 99.9  # the 2025-01-26 record: 2.93 min over its 1760 timed steps on 8xH100, communication included
-REPORT_RESERVE_S = 25  # kept back at the end for the report and the packing
+REPORT_RESERVE_S = 25  # kept back at the end for the report and the packing (8 s in a dry run)
 REFCHECK_TURN_S = 30  # the reference check's timed part holds the GPU at most this long (5 s in a dry run)
+QUIET_MIN_S = 120  # vanilla is timed again only with this much time left: a warm-cache compile and 40 steps (15 s dry)
+TRAINING = ("vanilla", "cplm", "cplm_dense", "vanilla_quiet")
+MARKERS = {"warm-up done": "warm-up done", "gpu turn": "gpu turn", "final": "^final "}  # in a job's stdout
 
 
 class Job:
     """One child process with its own stdout file; killed with its whole process group."""
 
-    def __init__(self, name, cmd, out_dir, env=None):
+    def __init__(self, name, cmd, work, env=None):
         self.name, self.cmd = name, cmd
-        self.stdout_path = os.path.join(out_dir, "logs", f"{name}.stdout")
+        self.stdout_path = os.path.join(work, "logs", f"{name}.stdout")
         self.started = time.monotonic()
-        self.events = {}  # marker -> seconds after start when it first appeared in stdout
-        self.killed = None
+        self.events = {}  # marker -> when (time.monotonic()) it was first seen in stdout
+        self.ended = self.killed = None
         with open(self.stdout_path, "w") as f:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                          start_new_session=True)
 
-    def poll(self):
+    def poll(self, now):
         text = self.text()
-        for marker in ("warm-up done", "gpu turn", "final val_loss"):
-            if marker not in self.events and marker in text:
-                self.events[marker] = time.monotonic() - self.started
-        return self.proc.poll()
+        for marker, pattern in MARKERS.items():
+            if marker not in self.events and re.search(pattern, text, re.M):
+                self.events[marker] = now
+        rc = self.proc.poll()
+        if rc is not None and self.ended is None:
+            self.ended = now
+        return rc
+
+    def compiled(self):
+        """When its compile (and warm-up) was seen to end: warm, its GPU turn taken, or the process ended."""
+        return self.events.get("warm-up done") or self.events.get("gpu turn") or self.ended
 
     def text(self):
         try:
@@ -69,7 +90,7 @@ class Job:
 
     def kill(self, why):
         if self.proc.poll() is None:
-            self.killed = why
+            self.killed, self.ended = why, time.monotonic()
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -86,7 +107,7 @@ class Job:
 
     def status(self):
         if self.killed:
-            return f"killed ({self.killed}) after {time.monotonic() - self.started:.0f}s"
+            return f"killed ({self.killed}) after {self.ended - self.started:.0f}s"
         if self.rc is None:
             return "running"
         return "ok" if self.rc == 0 else f"exit {self.rc}"
@@ -97,15 +118,32 @@ class Job:
 
 
 class Report:
-    """report.txt, written line by line (flushed), so that a kill still leaves what was known."""
+    """$OUT: report.txt, written line by line (flushed), and logs.tar.gz, the work folder's logs packed whole
+    beside them and moved in by one rename. Nothing else is ever written there, so a kill at any moment leaves
+    at most these two files (the device tool returns at most 8)."""
 
-    def __init__(self, path):
-        self.file = open(path, "w")
+    def __init__(self, out, work):
+        self.out, self.work = out, work
+        self.file = open(os.path.join(out, "report.txt"), "w")
 
     def __call__(self, line=""):
         print(line, flush=True)
         self.file.write(line + "\n")
         self.file.flush()
+
+    def pack(self):
+        logs, packed = os.path.join(self.work, "logs"), os.path.join(self.work, "logs.tar.gz")
+        try:
+            with tarfile.open(packed, "w:gz") as tar:
+                for name in sorted(os.listdir(logs)):
+                    with contextlib.suppress(OSError):  # a child may rename its log meanwhile
+                        tar.add(os.path.join(logs, name), arcname=f"logs/{name}")
+            try:
+                os.replace(packed, os.path.join(self.out, "logs.tar.gz"))  # the old tarball or the new, whole
+            except OSError:  # the work folder on another filesystem: copied in (a kill mid-copy cuts it short)
+                shutil.copyfile(packed, os.path.join(self.out, "logs.tar.gz"))
+        except (OSError, tarfile.TarError) as e:
+            self(f"  packing the logs failed: {type(e).__name__}: {e}")
 
 
 def device_checks(report, device, dry_run):
@@ -127,7 +165,7 @@ def device_checks(report, device, dry_run):
         for _ in range(3):
             a @ b
         seconds = timed(lambda: a @ b, device, repeats=3 if dry_run else 20)
-        report(f"bf16 GEMM {n}^3: {2 * n ** 3 / seconds / 1e12:.1f} TFLOP/s")
+        report(f"bf16 GEMM {n}^3: {2 * n ** 3 / seconds / 1e12:.1f} TFLOP/s (while the jobs compile)")
     except Exception as e:
         report(f"bf16 GEMM: FAILED ({type(e).__name__}: {e})")
     try:
@@ -140,6 +178,8 @@ def device_checks(report, device, dry_run):
                "against fp32 (e4m3 operands: about 0.03 expected)")
     except Exception as e:
         report(f"FP8 _scaled_mm smoke test: FAILED ({type(e).__name__}: {str(e)[:200]})")
+    if device == "cuda":
+        torch.cuda.empty_cache()  # this process keeps its CUDA context, not these buffers
 
 
 def timed(fn, device, repeats):
@@ -159,50 +199,68 @@ def timed(fn, device, repeats):
     return (time.perf_counter() - t0) / repeats
 
 
-def train_cmd(args, mode, name, extra=()):
-    """One mode of the speedrun preset as one of the record's 8 GPUs runs it: one 48Ki-token row a step."""
-    py = [sys.executable, "train_gpt_cplm.py", "--run_id", name, "--log_dir", os.path.join(args.out, "logs"),
+def check_data(data):
+    """What is wrong with --data (relative to the repository, as the jobs see it), or None."""
+    for split in ("train", "val"):
+        files = sorted(glob.glob(os.path.join(ROOT, data, f"*_{split}_*.bin")))
+        if not files:
+            return f"--data {data}: no *_{split}_*.bin shards there"
+        for path in files:
+            try:
+                with open(path, "rb") as f:
+                    header = f.read(1024)
+            except OSError as e:
+                return f"--data {data}: {os.path.basename(path)} cannot be read ({e.strerror})"
+            if len(header) < 1024 or int.from_bytes(header[:4], "little") != 20240520:
+                return f"--data {data}: {os.path.basename(path)} is not a shard (no 20240520 header)"
+    return None
+
+
+def train_cmd(args, work, mode, name, extra=()):
+    """One mode of the speedrun preset as one of the record's 8 GPUs runs it: one 48Ki-token row a step. No
+    validation (--val_tokens 0: nothing compiled for it); the train loss every quarter of the steps, each read
+    after a host sync, so the train_time on those lines is exact."""
+    py = [sys.executable, "train_gpt_cplm.py", "--run_id", name, "--log_dir", os.path.join(work, "logs"),
           "--overwrite", "1", "--cplm", str(mode), "--train_files", os.path.join(args.data, "*_train_*.bin"),
-          "--val_files", os.path.join(args.data, "*_val_*.bin")]
+          "--val_files", os.path.join(args.data, "*_val_*.bin"), "--num_iterations", str(args.steps),
+          "--val_tokens", "0", "--train_loss_every", str(max(1, args.steps // 4))]
     if args.dry_run:  # the cpu preset, tiny: the same program path on a CPU in seconds
         return py + ["--preset", "cpu", "--num_layers", "2", "--model_dim", "64", "--num_heads", "2",
-                     "--batch_size", "256", "--seq_len", "256", "--val_seq_len", "256", "--val_tokens", "512",
-                     "--num_iterations", str(args.steps), "--val_loss_every", str(args.steps // 2),
-                     "--warmup_steps", "1", *extra]
-    return py + ["--preset", "speedrun", "--coordinate_descent", "0", "--batch_size", "49152",
-                 "--num_iterations", str(args.steps), "--warmup_steps", "3", "--val_loss_every", str(args.steps // 2),
-                 "--val_seq_len", "49152", "--val_tokens", str(4 * 49152), *extra]
+                     "--batch_size", "256", "--seq_len", "256", "--warmup_steps", "1", *extra]
+    return py + ["--preset", "speedrun", "--coordinate_descent", "0", "--batch_size", "49152", "--warmup_steps", "3",
+                 *extra]
 
 
-def run_jobs(jobs, deadline, report, on_exit=None, hold=None):
+def run_jobs(jobs, deadline, report, on_exit):
     """Polls the jobs until each has ended or the deadline comes; kills what is left at the deadline. A job
     that holds the GPU (its timed loop) longer than its share of the time left is killed, so that one hang
     cannot take the others' turns: the share is the time left when it took the GPU over the training jobs
-    still to time, itself included."""
+    still to time, itself included. on_exit(job) is called once a job has ended and returns jobs to add."""
     while any(j.rc is None for j in jobs):
         time.sleep(0.5)
-        if hold is not None and not hold.closed and all(
-                j.rc is not None or "warm-up done" in j.events for j in jobs if j.name != "refcheck"):
-            hold.close()  # every training job has compiled: the timed loops may start, one at a time
-            report(f"  [{time.monotonic() - T0:5.0f}s] every training job warmed up: the GPU turns begin")
+        now = time.monotonic()  # one time a round: events seen in the same round are simultaneous
+        for j in list(jobs):
+            seen = set(j.events)
+            j.poll(now)
+            for marker in [m for m in j.events if m not in seen and m != "final"]:
+                report(f"  [{now - T0:5.0f}s] {j.name}: {marker}")
         for j in jobs:
             if j.rc is None and "gpu turn" in j.events:
                 if not hasattr(j, "turn_budget"):
-                    waiting = [x for x in jobs if x.rc is None and "final val_loss" not in x.events
-                               and not hasattr(x, "turn_budget") and x.name != "refcheck"]
-                    j.turn_budget = (deadline - time.monotonic()) / max(len(waiting), 1)
+                    waiting = [x for x in jobs if x.rc is None and "final" not in x.events
+                               and not hasattr(x, "turn_budget") and x.name in TRAINING]
+                    j.turn_budget = (deadline - now) / max(len(waiting), 1)
                     if j.name == "refcheck":  # its timed part is one forward and backward: seconds
                         j.turn_budget = min(j.turn_budget, REFCHECK_TURN_S)
-                    j.turn_taken = time.monotonic()
-                elif time.monotonic() - j.turn_taken > j.turn_budget and "final val_loss" not in j.events:
+                    j.turn_taken = now
+                elif now - j.turn_taken > j.turn_budget and "final" not in j.events:
                     j.kill(f"past its share of the GPU, {j.turn_budget:.0f}s")
         for j in list(jobs):
-            if j.poll() is not None and not getattr(j, "reported", False):
+            if j.rc is not None and not getattr(j, "reported", False):
                 j.reported = True
                 report(f"  [{time.monotonic() - T0:5.0f}s] {j.name}: {j.status()}"
                        + ("" if j.rc == 0 else f" -- {j.last_line()}"))
-                if on_exit:
-                    jobs.extend(on_exit(j))
+                jobs.extend(on_exit(j))
         if time.monotonic() > deadline:
             for j in jobs:
                 if j.rc is None:
@@ -212,38 +270,48 @@ def run_jobs(jobs, deadline, report, on_exit=None, hold=None):
     return jobs
 
 
+def compiling_beside(job, jobs):
+    """The other jobs seen compiling at some moment of job's timed loop (from its GPU turn to its final line),
+    or None if it has no whole timed loop. A compile beside a timed loop shares the CPU cores and, autotuning,
+    the GPU."""
+    start, end = job.events.get("gpu turn"), job.events.get("final")
+    if start is None or end is None:
+        return None
+    return [x.name for x in jobs if x is not job and x.started < end and (x.compiled() or time.monotonic()) > start]
+
+
 def parse_train_log(path):
     """What a (possibly cut-off) training log holds; never raises."""
-    out = dict(val=[], steps=0, peak_train=None, peak_eval=None, hyperparameters={})
+    out = dict(train_loss=[], val_loss=[], steps=0, peak_train=None, peak_eval=None)
     try:
         text = open(path, errors="replace").read()
     except OSError:
         return out
-    for m in re.finditer(r"^step:(\d+)/\d+ val_loss:([\d.naif]+) train_time:(\d+)ms", text, re.M):
-        out["val"].append((int(m[1]), float(m[2]), int(m[3])))
+    for kind in ("train_loss", "val_loss"):
+        out[kind] = [(int(m[1]), float(m[2]), int(m[3])) for m in re.finditer(
+            rf"^step:(\d+)/\d+ {kind}:([-\d.naif]+) train_time:(\d+)ms", text, re.M)]
     steps = re.findall(r"^step:(\d+)/\d+ (?:train_loss|train_time)", text, re.M)
     out["steps"] = int(steps[-1]) if steps else 0
     m = re.search(r"peak memory allocated in training: (\d+) MiB, in validation: (\d+) MiB", text)
     if m:
         out["peak_train"], out["peak_eval"] = int(m[1]), int(m[2])
-    m = re.search(r"^hyperparameters: (\{.*\})$", text, re.M)
-    if m:
-        out["hyperparameters"] = json.loads(m[1])
     return out
 
 
-def window_step_ms(val):
-    """Step time over the last window between two validations: the clock is stopped (after a sync) at each
-    one, so the window holds only synchronised training steps."""
-    if len(val) < 2:
+def window_step_ms(losses):
+    """(ms a step, first step, last step) over the second half of the timed steps: from the first train_loss
+    line at or past half the last one's step to the last. Each such line's clock is read after the loss's
+    host sync, so the window holds whole synchronised steps; train_time is in whole ms, so the resolution
+    is 1 / (last - first) ms. None if there is no such window."""
+    if len(losses) < 2:
         return None
-    (s0, _, t0), (s1, _, t1) = val[-2], val[-1]
-    return (t1 - t0) / (s1 - s0) if s1 > s0 else None
+    s1, _, t1 = losses[-1]
+    s0, _, t0 = next(x for x in losses if 2 * x[0] >= s1)
+    return ((t1 - t0) / (s1 - s0), s0, s1) if s1 > s0 else None
 
 
 def row_concentration(data_glob, rows, row_len, bos):
     """sum L^2 / T^2 (prepare_gpu_data.concentration) over the first `rows` training rows, or None."""
-    import glob
     import numpy as np
     from prepare_gpu_data import concentration  # beside this file
     files = sorted(glob.glob(data_glob))
@@ -256,150 +324,185 @@ def recompiles_after_warmup(stdout_text):
     return len(re.findall(r"Recompiling function", after)) if marker else None
 
 
-def write_summary(report, args, jobs):
+def write_summary(report, args, work, jobs):
     report("")
     report("== per job ==")
-    step_ms = {}
+    window = {}  # training job -> (ms a step, its window in words)
     for j in jobs:
         if j.name.startswith("refcheck"):
             lines = [x for x in j.text().splitlines() if x.strip()]
             report(f"{j.name}: {j.status()}; " + " | ".join(lines[-9:]) if lines else f"{j.name}: {j.status()}; no output")
             continue
-        log = parse_train_log(os.path.join(args.out, "logs", f"{j.name}.txt"))
-        ms = window_step_ms(log["val"])
-        compile_s = j.events.get("warm-up done")
-        report(f"{j.name}: {j.status()}; compile + warm-up {f'{compile_s:.0f}s' if compile_s else 'not finished'}; "
-               f"steps {log['steps']}; step time {f'{ms:.1f} ms' if ms else 'none (fewer than two validations)'}; "
-               f"val {', '.join(f'{s}:{v:.4f}' for s, v, _ in log['val']) or 'none'}; "
-               f"peak memory training {log['peak_train'] or '-'} MiB, validation {log['peak_eval'] or '-'} MiB; "
-               f"recompiles after warm-up {recompiles_after_warmup(j.text())}")
+        if j.name.startswith("eval_"):
+            continue
+        log = parse_train_log(os.path.join(work, "logs", f"{j.name}.txt"))
+        timed, beside = window_step_ms(log["train_loss"]), compiling_beside(j, jobs)
+        warm = j.events.get("warm-up done")
+        if timed:
+            words = f"steps {timed[1]}-{timed[2]}, " + (
+                f"timed while {', '.join(beside)} compiled" if beside else "no compile beside it")
+            window[j.name] = (timed[0], words)
+        report(f"{j.name}: {j.status()}; "
+               + (f"compile + warm-up {warm - j.started:.0f}s" if warm else "never finished compiling") + "; "
+               + f"steps {log['steps']}; step time "
+               + (f"{timed[0]:.2f} ms ({words}; 1/{timed[2] - timed[1]} ms resolution)" if timed else "none") + "; "
+               + f"train loss {', '.join(f'{s}:{v:.4f}' for s, v, _ in log['train_loss']) or 'none'}; "
+               + f"peak memory training {log['peak_train'] or '-'} MiB; "
+               + f"recompiles after warm-up {recompiles_after_warmup(j.text())}")
         if j.rc != 0:
             report(f"  why: {j.last_line()}")
-        if ms and j.name in ("vanilla", "cplm", "cplm_dense"):
-            step_ms[j.name] = ms
     report("")
     report("== the race ==")
-    cplm_name = "cplm" if "cplm" in step_ms else ("cplm_dense" if "cplm_dense" in step_ms else None)
-    if "vanilla" in step_ms:
-        report(f"vanilla: {step_ms['vanilla']:.1f} ms a step for one 48Ki-token row on one GPU, no communication, "
-               f"kernels tuned without coordinate descent (not the record's configuration); the record's "
-               f"8xH100 step, communication included: {RECORD_STEP_MS} ms")
+    vanilla = "vanilla_quiet" if "vanilla_quiet" in window else "vanilla" if "vanilla" in window else None
+    cplm = "cplm" if "cplm" in window else "cplm_dense" if "cplm_dense" in window else None
+    if vanilla:
+        report(f"vanilla: {window[vanilla][0]:.2f} ms a step ({vanilla}) for one 48Ki-token row on one GPU, no "
+               "communication, kernels tuned without coordinate descent (not the record's configuration); the "
+               f"record's 8xH100 step, communication included: {RECORD_STEP_MS} ms")
     # a relative --data is the repository's (os.path.join keeps an absolute one as it is)
     concentration = row_concentration(os.path.join(ROOT, args.data, "*_train_*.bin"), args.steps,
                                       256 if args.dry_run else 49152, args.bos)
     if concentration is not None:
         report(f"timed rows: sum L^2 / T^2 = {concentration:.3f} (mean over the first {args.steps} rows)")
-    if "vanilla" in step_ms and cplm_name:
-        report(f"{cplm_name}/vanilla step time ratio: {step_ms[cplm_name] / step_ms['vanilla']:.3f}"
-               + (" (the dense CP sums: flex failed)" if cplm_name == "cplm_dense" else ""))
+    if vanilla and cplm:
+        report(f"{cplm}/vanilla step time ratio: {window[cplm][0] / window[vanilla][0]:.3f} ({cplm}: "
+               f"{window[cplm][1]}; {vanilla}: {window[vanilla][1]}"
+               + ("; the dense CP sums: flex failed)" if cplm == "cplm_dense" else ")"))
     else:
         report("cplm/vanilla step time ratio: none (a mode gave no step time: see above)")
 
 
 def main(argv=None):
-    global T0
+    global T0, REPORT_RESERVE_S, REFCHECK_TURN_S, QUIET_MIN_S
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="report.txt and logs.tar.gz go here ($OUT on the device)")
     p.add_argument("--data", default=".gpu_data", help="shards from records/gpu/prepare_gpu_data.py")
     p.add_argument("--deadline_s", type=float, default=570)
-    p.add_argument("--steps", type=int, default=40, help="timed steps per mode (validations at 0, half, end)")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per mode (a train loss every quarter)")
     p.add_argument("--bos", type=int, default=50256)
     p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in a minute")
-    p.add_argument("--inject", default="", help="tests: JOB:fail or JOB:hang, comma-separated")
+    p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang, JOB:slow_compile or JOB:compile_hang, "
+                                                 "comma-separated")
     args = p.parse_args(argv)
+    problem = check_data(args.data)
+    if problem:  # before anything is started or written
+        print(f"first_call.py: error: {problem}; make them here (tiktoken has its GPT-2 files here, not on the GPU "
+              "machine): python3 records/gpu/prepare_gpu_data.py", file=sys.stderr)
+        return 1
     T0 = time.monotonic()
     if args.dry_run:
-        global REFCHECK_TURN_S
-        REFCHECK_TURN_S = 5
+        REPORT_RESERVE_S, REFCHECK_TURN_S, QUIET_MIN_S = 8, 5, 15
     deadline = T0 + args.deadline_s - REPORT_RESERVE_S
-    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    report = Report(os.path.join(args.out, "report.txt"))
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="first_call_")  # the children's logs and the GPU turn's lock: never in $OUT
+    os.makedirs(os.path.join(work, "logs"))
+    report = Report(args.out, work)
     device = "cpu" if args.dry_run else "cuda"
     report(f"first call: deadline {args.deadline_s:.0f}s, {args.steps} timed steps a mode"
-           + (" (dry run on CPU)" if args.dry_run else ""))
-    try:
-        device_checks(report, device, args.dry_run)
-    except Exception as e:
-        report(f"device checks: FAILED ({type(e).__name__}: {e})")
+           + (" (dry run on CPU)" if args.dry_run else "") + f"; work folder {work}")
     injected = dict(x.split(":") for x in args.inject.split(",") if x)
 
     def maybe_injected(name, cmd):
-        if injected.get(name) == "fail":
+        how = injected.get(name)
+        if how == "fail":
             return [sys.executable, "-c", "import sys; print('injected failure before warm-up'); sys.exit(7)"]
-        if injected.get(name) == "hang":  # takes the GPU turn, as a timed loop would, and never ends
+        if how == "hang":  # takes the GPU turn, as a timed loop would, and never ends
             return [sys.executable, "-c", "import fcntl, os, time; f = open(os.environ['CPLM_GPU_TURN'], 'a'); "
                     "fcntl.flock(f, fcntl.LOCK_EX); print('warm-up done; gpu turn: injected hang', flush=True); "
                     "time.sleep(10**6)"]
+        if how == "compile_hang":  # never warm
+            return [sys.executable, "-c", "import time; print('injected: compiling forever', flush=True); "
+                    "time.sleep(10**6)"]
+        if how == "slow_compile":  # the real job, 10 s late: a compile 10 s longer
+            return [sys.executable, "-c", "import os, sys, time; time.sleep(10); "
+                    "os.execv(sys.executable, [sys.executable] + sys.argv[1:])", *cmd[1:]]
         return cmd
 
-    # the GPU turn: a file lock outside $OUT; this process holds it until every training job has compiled, so
-    # no timed loop runs while another job still compiles (16 cores shared) or autotunes on the GPU
-    lock = os.path.join("/tmp", f"cplm_gpu_turn_{os.getpid()}.lock")
-    import fcntl
-    hold = open(lock, "a")
-    fcntl.flock(hold, fcntl.LOCK_EX)
-    env = {"CPLM_GPU_TURN": lock, "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1",
+    # the GPU turn: a file lock; each timed loop takes it when its job is warm, whatever the others are doing
+    env = {"CPLM_GPU_TURN": os.path.join(work, "gpu_turn.lock"), "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1",
            "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 3) // 3))}
+    if args.dry_run:
+        env["OMP_NUM_THREADS"] = "1"  # several processes on a few cores: one thread each
     refcheck = [sys.executable, os.path.join(HERE, "cuda_cp_check.py")] + (["--dry_run"] if args.dry_run else [])
-    report("")
-    report("== jobs (compiling side by side; the timed loops take turns on the GPU) ==")
-    jobs = [Job(name, maybe_injected(name, cmd), args.out, env) for name, cmd in (
-        ("vanilla", train_cmd(args, 0, "vanilla")), ("cplm", train_cmd(args, 1, "cplm")), ("refcheck", refcheck))]
-
-    dense = ["--cp_backend", "dense", "--cp_chunk", "256" if args.dry_run else "49152"]
-    fell_back = []
-
-    def fallback(job):  # CPLM (flex) died before its warm-up ended, or the reference check found flex
-        # unusable (exit 3): the dense CP sums in its place, if time is left
-        cplm = next(j for j in jobs if j.name == "cplm")
-        flex_failed = (job.name == "cplm" and job.rc != 0) or (job.name == "refcheck" and job.rc == 3)
-        if flex_failed and not fell_back and "warm-up done" not in cplm.events \
-                and deadline - time.monotonic() > (20 if args.dry_run else 150):
-            cplm.kill("flex failed")
-            fell_back.append(True)
-            report("  CPLM (flex) failed before its warm-up ended: CPLM with the dense CP sums instead")
-            return [Job("cplm_dense", maybe_injected("cplm_dense", train_cmd(args, 1, "cplm_dense", dense)),
-                        args.out, env)]
-        return []
-
+    jobs = []
     try:
-        run_jobs(jobs, deadline, report, on_exit=fallback, hold=hold)
-        hold.close()
-        finish(args, report, jobs, deadline, dense if fell_back else [])
-    finally:  # whatever happened above, the logs go back packed, and the lock file goes
-        pack(args, report)
-        with contextlib.suppress(OSError):
-            os.remove(lock)
+        jobs += [Job(name, maybe_injected(name, cmd), work, env) for name, cmd in (
+            ("vanilla", train_cmd(args, work, 0, "vanilla")), ("cplm", train_cmd(args, work, 1, "cplm")),
+            ("refcheck", refcheck))]
+        report("jobs started, compiling side by side: vanilla, cplm (flex), refcheck; each timed loop takes its "
+               "turn on the GPU as soon as its job is warm")
+        report("")
+        report("== device checks (while the jobs compile) ==")
+        try:
+            device_checks(report, device, args.dry_run)
+        except Exception as e:
+            report(f"device checks: FAILED ({type(e).__name__}: {e})")
+        report("")
+        report("== jobs ==")
+        dense = ["--cp_backend", "dense", "--cp_chunk", "256" if args.dry_run else "49152"]
+        fell_back = []
+
+        def on_exit(job):
+            report.pack()
+            return fallback(job) + quiet(job)
+
+        def fallback(job):  # CPLM (flex) died before its warm-up ended, or the reference check found flex
+            # unusable (exit 3): the dense CP sums in its place, if time is left
+            cplm = next(j for j in jobs if j.name == "cplm")
+            flex_failed = (job.name == "cplm" and job.rc != 0) or (job.name == "refcheck" and job.rc == 3)
+            if flex_failed and not fell_back and "warm-up done" not in cplm.events \
+                    and deadline - time.monotonic() > (20 if args.dry_run else 150):
+                cplm.kill("flex failed")
+                fell_back.append(True)
+                report("  CPLM (flex) failed before its warm-up ended: CPLM with the dense CP sums instead")
+                return [Job("cplm_dense", maybe_injected("cplm_dense", train_cmd(args, work, 1, "cplm_dense", dense)),
+                            work, env)]
+            return []
+
+        def quiet(job):  # vanilla timed beside a compile, CPLM timed since: vanilla again, with nothing compiling
+            timed = {j.name: j for j in jobs if j.rc == 0 and "final" in j.events}
+            cplm = timed.get("cplm") or timed.get("cplm_dense")
+            beside = compiling_beside(timed["vanilla"], jobs) if "vanilla" in timed else None
+            if job.name in TRAINING and cplm and beside and all(j.name != "vanilla_quiet" for j in jobs) \
+                    and deadline - time.monotonic() > QUIET_MIN_S:
+                report(f"  vanilla was timed while {', '.join(beside)} compiled, {cplm.name} is timed: vanilla once "
+                       "more (vanilla_quiet; its compile cache is warm)")
+                return [Job("vanilla_quiet", maybe_injected("vanilla_quiet", train_cmd(args, work, 0, "vanilla_quiet")),
+                            work, env)]
+            return []
+
+        run_jobs(jobs, deadline, report, on_exit)
+        finish(args, work, report, jobs, deadline, dense if fell_back else [])
+    finally:  # whatever happened above: no child left running, the logs packed into $OUT, the work folder gone
+        for j in jobs:
+            j.kill("the driver stopped")
+        report.pack()
+        report(f"logs packed into logs.tar.gz; total {time.monotonic() - T0:.0f}s of a {args.deadline_s:.0f}s deadline")
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
-def finish(args, report, jobs, deadline, cplm_flags):
-    env = {"TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1"}
-    # the record's validation rows (256Ki tokens): memory of evaluation, if time is left
-    if deadline - time.monotonic() > (10 if args.dry_run else 120) and not args.dry_run:
+def finish(args, work, report, jobs, deadline, cplm_flags):
+    """The evaluations at the record's 256Ki-token rows (a dry run: 512), one at a time (memory), if time is
+    left; then the summary."""
+    rows = 512 if args.dry_run else 262144
+    if deadline - time.monotonic() > (10 if args.dry_run else 120):
         report("")
-        report("== evaluation at 256Ki-token rows (memory) ==")
+        report(f"== evaluation at {rows}-token rows (memory; the val loss at step 0) ==")
         eval_jobs = []
-        for name, mode, extra in (("cplm", 1, cplm_flags), ("vanilla", 0, [])):  # one at a time: memory
-            eval_jobs.append(Job(f"eval256k_{name}", train_cmd(args, mode, f"eval256k_{name}", extra) + [
-                "--num_iterations", "0", "--warmup_steps", "0", "--val_seq_len", "262144", "--val_tokens", "262144"],
-                args.out, env))
-            run_jobs(eval_jobs[-1:], deadline, report)
+        for name, mode, extra in (("cplm", 1, cplm_flags), ("vanilla", 0, [])):
+            eval_jobs.append(Job(f"eval_{name}", train_cmd(args, work, mode, f"eval_{name}", extra) + [
+                "--num_iterations", "0", "--warmup_steps", "0", "--val_seq_len", str(rows), "--val_tokens", str(rows)],
+                work, {"TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1"}))
+            run_jobs(eval_jobs[-1:], deadline, report, lambda j: report.pack() or [])
         for j in eval_jobs:
-            log = parse_train_log(os.path.join(args.out, "logs", f"{j.name}.txt"))
-            report(f"{j.name}: {j.status()}; peak memory of validation {log['peak_eval']} MiB"
+            log = parse_train_log(os.path.join(work, "logs", f"{j.name}.txt"))
+            val = f"{log['val_loss'][0][1]:.4f}" if log["val_loss"] else "none"
+            report(f"{j.name}: {j.status()}; val loss at step 0 {val}; "
+                   f"peak memory of validation {log['peak_eval'] or '-'} MiB"
                    + ("" if j.rc == 0 else f" -- {j.last_line()}"))
         jobs += eval_jobs
-    write_summary(report, args, [j for j in jobs if not j.name.startswith("eval256k")])
-
-
-def pack(args, report):
-    """The logs into logs.tar.gz: the device tool brings back at most 8 files."""
-    import shutil
-    with tarfile.open(os.path.join(args.out, "logs.tar.gz"), "w:gz") as tar:
-        tar.add(os.path.join(args.out, "logs"), arcname="logs")
-    shutil.rmtree(os.path.join(args.out, "logs"), ignore_errors=True)
-    report(f"logs packed into logs.tar.gz; total {time.monotonic() - T0:.0f}s of a {args.deadline_s:.0f}s deadline")
+    write_summary(report, args, work, jobs)
 
 
 T0 = time.monotonic()
