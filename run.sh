@@ -44,7 +44,7 @@ fi
 if [ "${1:-}" = test ]; then  # -rs: each skipped test says why, and what enables it
     shift
     exec "$PYTHON" -m pytest -q -rs test_cplm.py test_inference.py test_mechanism.py test_baselines.py test_gpu_preflight.py \
-        test_gpu_kernels.py "$@"
+        test_gpu_kernels.py test_gpu_interpreter.py "$@"
 fi
 
 if [ "$gpus" -gt 0 ]; then  # (a CPU build of torch on a GPU machine runs the race)

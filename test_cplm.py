@@ -905,7 +905,10 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     logged_ms = float(re.search(r"^step:5/6 train_loss:\S+ train_time:(\d+)ms", log, re.M).group(1))
     saved_ms = torch.load(ckpt, weights_only=False)["training_time_ms"]
     assert abs(saved_ms - logged_ms) < 200 and saved_ms > 0  # the clock at the checkpoint, not at the last val
-    (tmp_path / "full" / "state_step000009.pt.tmp").write_bytes(b"half a checkpoint")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a writer killed while saving: its pid is gone
+    half = tmp_path / "full" / f"state_step000009.pt.{dead}.tmp"
+    half.write_bytes(b"half a checkpoint")
     # step 6's checkpoint is there: resuming from step 5 would replace it, so that needs --overwrite 1
     refused = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt))
     assert refused.returncode == 2 and "holds checkpoints after this one (state_step000006.pt)" in refused.stderr
@@ -913,7 +916,7 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     log = (tmp_path / "full.txt").read_text()
     assert log.count("def main(argv=None)") == 1 and "resumed from" in log  # one log, a section appended
-    assert "removed" in log and not (tmp_path / "full" / "state_step000009.pt.tmp").exists()
+    assert "removed" in log and not half.exists()
     first, second = log.split("=" * 100 + "\n", 1)[1].split("=" * 100 + "\nresumed from")
     for kind in ("train_loss", "val_loss"):
         np.testing.assert_allclose(log_values_in(second, kind)[-1], log_values_in(first, kind)[-1], rtol=1e-6)
@@ -2135,6 +2138,53 @@ def test_run_sh_without_a_gpu_runs_the_race(tmp_path):
     assert calls[-1] == (f"records/compare.py logs/{race}_vanilla.txt logs/{race}_cplm.txt --target_from cplm=0 "
                          f"--plot logs/{race}.png")
     assert f"logs/{race}_vanilla.txt and logs/{race}_cplm.txt" in r.stdout  # the logs named before training
+
+
+def test_a_diverged_model_saves_no_checkpoint_over_good_ones(tmp_path):
+    """A hostile tester's: with --checkpoint_every 1 --keep_checkpoints 2 and diverging learning rates, only NaN
+    checkpoints remained. A state with a non-finite weight is refused in one line; the good one stays."""
+    model, loader = torch.nn.Linear(2, 2), types.SimpleNamespace(state=lambda: {"position": 0})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a, written = tg.parse_args(["--preset", "cpu", "--keep_checkpoints", "1"]), []
+    tg.save_checkpoint(str(tmp_path / "run" / "state_step000001.pt"), model, [opt], 1, loader, 0.0, a, written)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(tg.DataError, match=r"weights are not finite .*newest: .*state_step000001\.pt"):
+        tg.save_checkpoint(str(tmp_path / "run" / "state_step000002.pt"), model, [opt], 2, loader, 0.0, a, written)
+    assert os.listdir(tmp_path / "run") == ["state_step000001.pt"]
+
+
+def test_start_up_leaves_a_live_writers_temporary_checkpoint(tmp_path):
+    """A hostile tester's: --resume of a live run's checkpoint deleted that run's *.pt.tmp mid-save, and the live
+    run died. Temporary checkpoints carry their writer's pid; only a dead writer's are removed (and a folder
+    name with glob characters matches only itself)."""
+    folder, lookalike = tmp_path / "L[1]", tmp_path / "L1"
+    folder.mkdir()
+    lookalike.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for path in (folder / f"state_step000002.pt.{live.pid}.tmp", folder / f"state_step000003.pt.{dead}.tmp",
+                     lookalike / f"state_step000003.pt.{dead}.tmp"):
+            path.write_bytes(b"partial")
+        removed = tg.remove_dead_writers_files([str(folder)], "state_step*.pt.*.tmp")
+    finally:
+        live.kill()
+    assert removed == [str(folder / f"state_step000003.pt.{dead}.tmp")]
+    assert (folder / f"state_step000002.pt.{live.pid}.tmp").exists()
+    assert (lookalike / f"state_step000003.pt.{dead}.tmp").exists()
+
+
+def test_a_fresh_run_refuses_a_folder_of_earlier_checkpoints(tmp_path):
+    """A hostile tester's: with logs/<run_id>.txt gone, a fresh run silently replaced logs/<run_id>/'s
+    checkpoints. The folder is the run's, like its log: refused without --overwrite 1."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state_step000004.pt").write_bytes(b"an earlier run's")
+    flags = ["--preset", "cpu", "--log_dir", str(tmp_path), "--run_id", "run"]
+    with pytest.raises(tg.UsageError, match="holds checkpoints of an earlier run"):
+        tg.check_log_target(tg.parse_args(flags))
+    tg.check_log_target(tg.parse_args(flags + ["--overwrite", "1"]))
 
 
 def test_run_sh_test_runs_every_test_file_and_shows_skip_reasons(tmp_path):

@@ -1368,14 +1368,11 @@ def check_log_target(a: Hyperparameters):
     if os.path.exists(log_path(a)) and not continues_own_run(a) and not a.overwrite:
         raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume of one of its "
                          "own checkpoints, or replace it with --overwrite 1")
-    for stale in glob.glob(os.path.join(glob.escape(a.log_dir), f".{glob.escape(a.run_id)}.txt.starting*")):
-        pid = stale.rsplit("starting", 1)[1]
-        try:
-            os.kill(int(pid), 0)  # a live process's: leave it
-        except (ValueError, ProcessLookupError):
-            os.remove(stale)  # the temporary log of a run killed before it started
-        except PermissionError:
-            pass
+    remove_dead_writers_files([a.log_dir], f".{glob.escape(a.run_id)}.txt.starting*")  # runs killed before starting
+    folder = os.path.join(a.log_dir, a.run_id)
+    if glob.glob(os.path.join(glob.escape(folder), "state_step*.pt")) and not a.resume and not a.overwrite:
+        raise UsageError(f"{folder} holds checkpoints of an earlier run: choose another --run_id, continue it with "
+                         "--resume of one of them, or replace them with --overwrite 1")
     if continues_own_run(a) and not a.overwrite:  # resuming from an earlier checkpoint would overwrite later ones
         def step_of(path):
             m = re.search(r"state_step(\d+)\.pt$", path)
@@ -1386,6 +1383,22 @@ def check_log_target(a: Hyperparameters):
         if later:
             raise UsageError(f"{folder} holds checkpoints after this one ({os.path.basename(later[-1])}): resuming "
                              "from here would replace them; resume the newest, or pass --overwrite 1 to branch")
+
+
+def remove_dead_writers_files(folders, pattern):
+    """Removes the temporary files (named ...<pid> or ...<pid>.tmp) in these folders whose writer is no longer
+    alive on this machine; another process's live ones stay. Returns the removed paths."""
+    removed = []
+    for path in sorted(f for folder in folders for f in glob.glob(os.path.join(glob.escape(folder), pattern))):
+        m = re.search(r"(\d+)(?:\.tmp)?$", path)
+        try:
+            os.kill(int(m[1]), 0)  # a live process's: leave it
+        except (TypeError, ProcessLookupError):
+            os.remove(path)
+            removed.append(path)
+        except PermissionError:
+            pass
+    return removed
 
 
 def environment_lines(device, world_size):
@@ -1443,16 +1456,20 @@ SHAPE_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "no_attent
 def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, written):
     """Written to a temporary file and renamed, so a crash never leaves half a checkpoint; then only the
     newest keep_checkpoints of those this run wrote (the list `written`) stay. Another run's are not touched."""
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):  # a diverged run: keep the good ones
+        raise DataError(f"step {step}: the weights are not finite (the run diverged); no checkpoint saved over the "
+                        f"good ones (newest: {written[-1] if written else 'none'}); lower the learning rates")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
                  loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a))
     state["digest"] = tensor_digest([state["model"], state["optimizers"], checkpoint_scalars(state)])
+    tmp = f"{path}.{os.getpid()}.tmp"  # the writer's pid: a live run's temporary file is never taken for stale
     try:
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        torch.save(state, tmp)
+        os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # a full disk: torch's zip writer raises RuntimeError
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
+        if os.path.exists(tmp):
+            os.remove(tmp)
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:120]
         raise DataError(f"{path}: cannot save the checkpoint ({reason}); the run stops here, and the previous "
                         "checkpoint is intact")
@@ -1637,8 +1654,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         check_checkpoint_fits(a, checkpoint)
     if rank == 0:  # a kill during a save leaves a temporary file: the checkpoint it held never existed
         folders = {os.path.join(a.log_dir, a.run_id)} | ({os.path.dirname(a.resume)} if a.resume else set())
-        for stale in sorted(f for folder in folders for f in glob.glob(os.path.join(folder, "state_step*.pt.tmp"))):
-            os.remove(stale)
+        for stale in remove_dead_writers_files(folders, "state_step*.pt.*.tmp"):
             log(f"removed {stale}, left by a run killed while saving")
     if checkpoint is not None and checkpoint["step"] >= a.num_iterations:
         log.start()
