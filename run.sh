@@ -3,7 +3,7 @@
 #   bash run.sh         GPUs: fetch the FineWeb shards that are missing, then torchrun the speedrun preset on every
 #                       GPU (arguments pass through: bash run.sh --cplm 1). No GPU: the CPU race, vanilla then CPLM
 #                       on the same offline corpus (the Python standard library's source in GPT-2 tokens) with the
-#                       same seed, then records/compare.py on the two logs (a table and a PNG).
+#                       same seed, then tools/compare.py on the two logs (a table and a PNG).
 #   bash run.sh test    the test suite, CPU only.
 # Installs what is missing: torch only where none is installed (never replacing one: a GPU machine keeps its
 # build), then numpy, tiktoken, huggingface_hub (and pytest for the tests).
@@ -66,5 +66,5 @@ for mode in vanilla cplm; do
         --run_id "${race}_$mode" --save_checkpoint 1 "$@"
 done
 echo
-exec "$PYTHON" records/compare.py "logs/${race}_vanilla.txt" "logs/${race}_cplm.txt" --target_from cplm=0 \
+exec "$PYTHON" tools/compare.py "logs/${race}_vanilla.txt" "logs/${race}_cplm.txt" --target_from cplm=0 \
     --plot "logs/${race}.png"

@@ -1446,10 +1446,10 @@ def test_download_failure_midway_leaves_no_partial_file(tmp_path, monkeypatch):
     assert calls == ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
 
 # ====================================================================================================
-# records/compare.py
+# tools/compare.py
 
-COMPARE_PATH = Path(ROOT) / "records" / "compare.py"
-compare = _load("records/compare.py")
+COMPARE_PATH = Path(ROOT) / "tools" / "compare.py"
+compare = _load("tools/compare.py")
 
 # A fake copy of the training script's source, as it appears at the top of
 # every log.  None of these lines may be parsed as measurements.
@@ -1744,7 +1744,7 @@ def test_cli_single_run_says_needs_two(tmp_path):
 
 
 def test_import_has_no_side_effects(capsys):
-    _load("records/compare.py")
+    _load("tools/compare.py")
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
 
@@ -1910,11 +1910,11 @@ def test_spamlang_gate_init_is_recorded(tmp_path):
 
 
 def test_gpu_cp_check_runs_and_passes_on_cpu(monkeypatch, capsys):
-    """records/gpu/cuda_cp_check.py, the GPU session's reference check, run here at a small size with
+    """tools/cuda_cp_check.py, the GPU session's reference check, run here at a small size with
     FlexAttention's math path (its CPU device check lifted), so a rare GPU session gets a working script."""
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
-    check = _load("records/gpu/cuda_cp_check.py")
+    check = _load("tools/cuda_cp_check.py")
     torch._dynamo.reset()
     assert check.main("cpu", T=512, compile_backend="aot_eager") == 0
     out = capsys.readouterr().out
@@ -1925,7 +1925,7 @@ def test_gpu_cp_check_runs_and_passes_on_cpu(monkeypatch, capsys):
 # bad input to the entry points other than the training script: one line, exit 2 (usage) or 1 (data)
 
 
-COMPARE = Path(ROOT) / "records" / "compare.py"
+COMPARE = Path(ROOT) / "tools" / "compare.py"
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10"  # the first bytes of a PNG image
 ELF = b"\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00>\x00"  # ... and of a Linux executable
 
@@ -2135,7 +2135,7 @@ def test_run_sh_without_a_gpu_runs_the_race(tmp_path):
     assert all("--preset cpu" in c and "--save_checkpoint 1" in c and c.endswith("--num_iterations 5") for c in train)
     race = re.search(r"--run_id (cpu_race_\d+_\d+_\d+)_vanilla", train[0]).group(1)
     assert f"--run_id {race}_cplm" in train[1]
-    assert calls[-1] == (f"records/compare.py logs/{race}_vanilla.txt logs/{race}_cplm.txt --target_from cplm=0 "
+    assert calls[-1] == (f"tools/compare.py logs/{race}_vanilla.txt logs/{race}_cplm.txt --target_from cplm=0 "
                          f"--plot logs/{race}.png")
     assert f"logs/{race}_vanilla.txt and logs/{race}_cplm.txt" in r.stdout  # the logs named before training
 
@@ -2211,7 +2211,7 @@ def test_requirements_state_the_need_and_ci_pins_the_cpu_build():
 
 
 # ----------------------------------------------------------------------------------------------------
-# records/compare.py
+# tools/compare.py
 
 
 def _log(path, train_lines):

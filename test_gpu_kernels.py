@@ -1,6 +1,6 @@
 """The GPU pre-flight to machine code, on a CPU machine: every FlexAttention kernel that the speedrun preset
 compiles on an H100/H200, in both modes, rendered by inductor at the preset's shapes with the CUDA heuristics
-and compiled to sm_90 machine code by Triton's bundled ptxas (records/gpu/preflight.py: `lower(sm90=True)`,
+and compiled to sm_90 machine code by Triton's bundled ptxas (tools/preflight.py: `lower(sm90=True)`,
 `compile_sm90`). Each must fit the H200's shared memory; the CP head's kernels must not spill.
 
 Needs Triton (the CUDA wheels of torch bring it; with the CPU build, `pip install triton==3.6.0`); skipped
@@ -16,7 +16,7 @@ import torch
 import train_gpt_cplm as tg
 
 pytest.importorskip("triton", reason="the sm_90 pre-flight needs Triton: pip install triton==3.6.0")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "records", "gpu"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
 import preflight  # noqa: E402
 
 pytestmark = pytest.mark.slow

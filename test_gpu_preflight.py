@@ -1,4 +1,4 @@
-"""GPU pre-flight on CPU (records/gpu/preflight.py): every graph the CUDA path compiles is pushed through
+"""GPU pre-flight on CPU (tools/preflight.py): every graph the CUDA path compiles is pushed through
 inductor's lowering, and must stop only where a GPU is needed (Triton, a CUDA device query), never at a
 lowering error. Tracing alone (test_cplm.py's aot_eager test) cannot see a lowering failure."""
 import contextlib
@@ -14,7 +14,7 @@ import torch
 
 import train_gpt_cplm as tg
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "records", "gpu"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
 import preflight  # noqa: E402
 
 BOS, VOCAB = 499, 500
@@ -135,7 +135,7 @@ def test_preflight_reports_a_lowering_error():
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-FIRST_CALL = [sys.executable, "records/gpu/first_call.py"]
+FIRST_CALL = [sys.executable, "tools/first_call.py"]
 
 
 def toy_shards(folder):
@@ -153,7 +153,7 @@ def toy_shards(folder):
 
 
 def start_first_call(tmp_path, inject, deadline):
-    """records/gpu/first_call.py --dry_run (CPU, tiny, 4 timed steps) with its work folder under tmp_path/tmp."""
+    """tools/first_call.py --dry_run (CPU, tiny, 4 timed steps) with its work folder under tmp_path/tmp."""
     toy_shards(tmp_path / "data")
     (tmp_path / "tmp").mkdir()
     cmd = FIRST_CALL + ["--dry_run", "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--steps", "4",
@@ -265,7 +265,7 @@ def test_first_call_without_data_says_how_to_make_it(tmp_path):
         r = subprocess.run(FIRST_CALL + ["--dry_run", "--out", str(tmp_path / "out"), "--data", str(data)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and problem in r.stderr, r.stderr
-        assert "python3 records/gpu/prepare_gpu_data.py" in r.stderr
+        assert "python3 tools/prepare_gpu_data.py" in r.stderr
         assert not (tmp_path / "out").exists()
 
 
@@ -274,7 +274,7 @@ def test_first_call_packs_across_filesystems(tmp_path, monkeypatch):
     copied in; $OUT still holds only the two files."""
     import errno
     import tarfile
-    import first_call  # records/gpu, beside preflight
+    import first_call  # tools/, beside preflight
     (tmp_path / "out").mkdir()
     (tmp_path / "work" / "logs").mkdir(parents=True)
     (tmp_path / "work" / "logs" / "vanilla.stdout").write_text("warm-up done\n")

@@ -1562,7 +1562,7 @@ def fp8_available(device):
 
 
 def take_gpu_turn():
-    """records/gpu/first_call.py runs jobs that compile side by side and time in turn: with CPLM_GPU_TURN set,
+    """tools/first_call.py runs jobs that compile side by side and time in turn: with CPLM_GPU_TURN set,
     waits for that file lock and returns it held (released when closed or the process ends); else None."""
     if not os.environ.get("CPLM_GPU_TURN"):
         return None

@@ -10,7 +10,7 @@ seed a separate run (one thread each, --jobs at a time), logs in OUT/logs/:
   full_cplm_stopgrad     ablation: no gradient from the CP head into the backbone
   bytes_{vanilla,cplm}   control: byte-level tokens (V = 257 < D = 320), where the paper finds no gain
 A run stopped before its end continues from its newest checkpoint when the command runs again.
-Then writes OUT/summary.txt (records/compare.py per attention type, convergence ratio against vanilla's
+Then writes OUT/summary.txt (tools/compare.py per attention type, convergence ratio against vanilla's
 final val loss) and OUT/{full,sw,bytes}.png. Runs whose log already ends with a final line are not run
 again. `--study gate` runs GATE_CONFIGS instead (records/gate_init): the choice of optimizer and gate start.
 `--study prose` (records/prose_race) is the race on English prose at the paper's V/D, the one to read:
@@ -279,7 +279,7 @@ def main(argv=None):
 def summarize(out, study, scale=None):
     if study == "prose":
         return summarize_prose(out, scale)
-    compare = [sys.executable, "records/compare.py"]
+    compare = [sys.executable, "tools/compare.py"]
     lines = []
     groups = {"race": [("full", "cplm=0"), ("sw", "cplm=0"), ("bytes", "cplm=0")], "gate": [("gate", None)]}[study]
     for prefix, reference in groups:
@@ -313,7 +313,7 @@ def summarize_prose(out, scale=None):
         if both_finished(v, c):
             cmd += ["--pair", f"{name}={v}:{c}"]
             # the curves, mean over seeds (compare.py groups the runs by their hyperparameters)
-            plots.append([sys.executable, "records/compare.py", f"{out}/logs/{v}_s*.txt", f"{out}/logs/{c}_s*.txt",
+            plots.append([sys.executable, "tools/compare.py", f"{out}/logs/{v}_s*.txt", f"{out}/logs/{c}_s*.txt",
                           "--target_from", "cplm=0", "--plot", f"{out}/{cplm}.png"])
     # a row's own sweep (--scale): the row again at each other scale where one of its own (non-headline) runs
     # ran off its mode's best; the headline's other scales are the sweep's table

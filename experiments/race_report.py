@@ -36,8 +36,8 @@ import numpy as np
 
 from cli import ROOT, OneLineParser  # experiments/cli.py
 
-sys.path.insert(0, os.path.join(ROOT, "records"))
-import compare  # noqa: E402  (records/compare.py: log parsing and the t distribution)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import compare  # noqa: E402  (tools/compare.py: log parsing and the t distribution)
 import train_gpt_cplm as tg  # noqa: E402  (the shard reader)
 
 BYTE_LEVEL_VOCAB = 257  # data/tokenize_corpus.py --encoding bytes, data/prose_corpus.py 257: ids 0-255 are bytes

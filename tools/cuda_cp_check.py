@@ -1,4 +1,4 @@
-"""The CUDA CP loss against the dense reference, on the GPU, with the training settings (records/gpu/first_call.py).
+"""The CUDA CP loss against the dense reference, on the GPU, with the training settings (tools/first_call.py).
 
 cplm_target_log_prob with FlexAttention (compiled, as in training) on a packed 4096-token row of several
 documents, with targets that never occur in their context, from a bf16 head output u soft-capped at 15, a
@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import train_gpt_cplm as tg  # noqa: E402
 
 BOS, COPY_ID, VP, CAP = 50256, 50257, 50304, 15.0

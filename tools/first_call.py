@@ -1,7 +1,7 @@
 """The first call on a lent GPU machine: the race's numbers in one device call, whatever breaks.
 
-    python3 records/gpu/first_call.py --out "$OUT"                 # on the GPU machine (records/gpu/README.md)
-    python3 records/gpu/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny, in a minute
+    python3 tools/first_call.py --out "$OUT"                 # on the GPU machine (records/gpu/README.md)
+    python3 tools/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny, in a minute
 
 --data is checked first (train and val shards there and readable; else one line naming the command that
 makes them, exit 1). Then, under one global deadline (default 570 s, inside the device call's 590):
@@ -45,7 +45,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(HERE)
 RECORD_STEP_MS = 99.9  # the 2025-01-26 record: 2.93 min over its 1760 timed steps on 8xH100, communication included
 REPORT_RESERVE_S = 25  # kept back at the end for the report and the packing (8 s in a dry run)
 REFCHECK_TURN_S = 30  # the reference check's timed part holds the GPU at most this long (5 s in a dry run)
@@ -376,7 +376,7 @@ def main(argv=None):
     global T0, REPORT_RESERVE_S, REFCHECK_TURN_S, QUIET_MIN_S
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="report.txt and logs.tar.gz go here ($OUT on the device)")
-    p.add_argument("--data", default=".gpu_data", help="shards from records/gpu/prepare_gpu_data.py")
+    p.add_argument("--data", default=".gpu_data", help="shards from tools/prepare_gpu_data.py")
     p.add_argument("--deadline_s", type=float, default=570)
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode (a train loss every quarter)")
     p.add_argument("--bos", type=int, default=50256)
@@ -387,7 +387,7 @@ def main(argv=None):
     problem = check_data(args.data)
     if problem:  # before anything is started or written
         print(f"first_call.py: error: {problem}; make them here (tiktoken has its GPT-2 files here, not on the GPU "
-              "machine): python3 records/gpu/prepare_gpu_data.py", file=sys.stderr)
+              "machine): python3 tools/prepare_gpu_data.py", file=sys.stderr)
         return 1
     T0 = time.monotonic()
     if args.dry_run:

@@ -481,10 +481,10 @@ def evaluation_memory(cplm, T=256 * 1024, **config):
     return peak, largest, weights + states
 
 
-if __name__ == "__main__":  # the table in records/gpu/README.md: python3 records/gpu/preflight.py (Triton needed)
+if __name__ == "__main__":  # the table in records/gpu/README.md: python3 tools/preflight.py (Triton needed)
     import sys
     import time
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     t0 = time.perf_counter()
     table = kernel_table()
     import triton

@@ -22,7 +22,7 @@ record rule is p < 0.01).
 Stand-alone: standard library only; matplotlib is needed only for --plot.
 
 Usage:
-    python records/compare.py 'logs/*.txt' [--target 3.28] [--group_by k1,k2]
+    python tools/compare.py 'logs/*.txt' [--target 3.28] [--group_by k1,k2]
         [--ignore k1,k2] [--target_from LABEL_OR_key=value] [--plot out.png]
         [--json]
 """
