@@ -52,7 +52,15 @@ if [ "$gpus" -gt 0 ]; then  # (a CPU build of torch on a GPU machine runs the ra
     exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$gpus" train_gpt_cplm.py "$@"
 fi
 
-# no GPU: the race on CPU
+# no GPU: the race on CPU. It names, places and sets the mode of both runs itself: refuse those flags before
+# anything trains (passed on, they overrode it: CPLM trained twice, or compare found no logs after both runs)
+for arg in "$@"; do
+    case "$arg" in
+        --preset|--preset=*|--cplm|--cplm=*|--run_id|--run_id=*|--log_dir|--log_dir=*|--save_checkpoint|--save_checkpoint=*)
+            echo "run.sh: the CPU race sets ${arg%%=*} itself; to choose it, run train_gpt_cplm.py directly" >&2
+            exit 2;;
+    esac
+done
 if ! ls data/pystdlib/pystdlib_train_*.bin >/dev/null 2>&1; then
     # GPT-2 tokens; tiktoken fetches its files once (or reads TIKTOKEN_CACHE_DIR)
     "$PYTHON" data/tokenize_corpus.py --stdlib --out_dir data/pystdlib --name pystdlib

@@ -1585,10 +1585,10 @@ def test_grouping_by_seed_mean_std(tmp_path):
     logs = [compare.parse_log(p) for p in sorted(tmp_path.glob("*.txt"))]
     groups = compare.group_runs(logs)
     labels = sorted(g["label"] for g in groups)
-    assert labels == ["cplm=0", "cplm=1"]
+    assert labels == ["vanilla", "CPLM"]
     res = compare.compare(logs, target=3.28)
-    g1 = next(g for g in res["groups"] if g["label"] == "cplm=1")
-    g0 = next(g for g in res["groups"] if g["label"] == "cplm=0")
+    g1 = next(g for g in res["groups"] if g["label"] == "CPLM")
+    g0 = next(g for g in res["groups"] if g["label"] == "vanilla")
     assert g1["n"] == 3 and g0["n"] == 2
     assert g1["final_val_loss"]["mean"] == pytest.approx(3.26)
     assert g1["final_val_loss"]["std"] == pytest.approx(0.01)  # ddof=1
@@ -1653,10 +1653,10 @@ def test_race_table_at_equal_steps_and_both_crossing_rules(tmp_path):
     rc = result["race"]
     assert rc["steps"] == [0, 100, 200, 300]
     pair = {(p["group"], p["other"]): p for p in rc["pairs"]}
-    assert (pair[("cplm=1", "cplm=0")]["first_crossing"], pair[("cplm=1", "cplm=0")]["stays_below"]) == (100, 300)
-    assert pair[("cplm=0", "cplm=1")]["first_crossing"] is None
+    assert (pair[("CPLM", "vanilla")]["first_crossing"], pair[("CPLM", "vanilla")]["stays_below"]) == (100, 300)
+    assert pair[("vanilla", "CPLM")]["first_crossing"] is None
     report = compare.format_report(result)
-    assert "Val loss at equal steps" in report and "cplm=1 to cplm=0's 4.0000 (its step 300): 100 / 300" in report
+    assert "Val loss at equal steps" in report and "CPLM to vanilla's 4.0000 (its step 300): 100 / 300" in report
 
 
 def test_killed_runs_and_copies_do_not_count(tmp_path):
@@ -1685,9 +1685,9 @@ def test_convergence_ratio(tmp_path):
     logs = [compare.parse_log(p) for p in sorted(tmp_path.glob("*.txt"))]
     res = compare.compare(logs, target_from="cplm=0")
     assert res["target"] == pytest.approx(3.41)
-    assert res["reference"]["label"] == "cplm=0"
+    assert res["reference"]["label"] == "vanilla"
     assert res["reference"]["mean_final_step"] == 300
-    g1 = next(g for g in res["groups"] if g["label"] == "cplm=1")
+    g1 = next(g for g in res["groups"] if g["label"] == "CPLM")
     # cplm=1 curves cross 3.41 between step 100 (4.0) and 200 (3.30)
     istep = 100 + (4.0 - 3.41) / (4.0 - 3.30) * 100
     itime = 10000 + (4.0 - 3.41) / (4.0 - 3.30) * 10000
@@ -1695,7 +1695,7 @@ def test_convergence_ratio(tmp_path):
     assert g1["convergence_ratio"]["time"] == pytest.approx(itime / 36000)
     # label substring works as well
     res2 = compare.compare(logs, target_from="=0")
-    assert res2["reference"]["label"] == "cplm=0"
+    assert res2["reference"]["label"] == "vanilla"
     with pytest.raises(ValueError):
         compare.compare(logs, target_from="nomatch")
     with pytest.raises(ValueError):
@@ -1711,7 +1711,7 @@ def test_cli_table_and_json(tmp_path):
     _make_runs(tmp_path)
     r = _run_cli(str(tmp_path / "*.txt"), "--target", "3.28")
     assert r.returncode == 0, r.stderr
-    assert "cplm=1" in r.stdout and "not reached" in r.stdout and "interp" in r.stdout
+    assert "CPLM" in r.stdout and "not reached" in r.stdout and "interp" in r.stdout
     r = _run_cli(tmp_path, "--json", "--target_from", "cplm=0")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -2123,6 +2123,16 @@ def test_run_sh_installs_the_cpu_torch_only_where_none_is_installed(tmp_path):
     assert "no GPU: installing the CPU build" in r.stdout and "TORCH_PIP=torch bash run.sh" in r.stdout
     r, calls = _run_sh(tmp_path, "nothing")
     assert not any("install torch" in c for c in calls), "a torch already there is never replaced"
+
+
+@pytest.mark.parametrize("flag", [["--cplm", "1"], ["--run_id", "foo"], ["--log_dir=X"], ["--preset", "speedrun"]])
+def test_run_sh_refuses_the_flags_the_race_sets(tmp_path, flag):
+    """A hostile tester's: run.sh passed its arguments after its own flags, so they won: --cplm 1 trained CPLM
+    twice (one log named _vanilla), --run_id foo had the CPLM run refused after vanilla trained, --log_dir made
+    compare fail after both. Now refused in one line before anything is built or trained."""
+    r, calls = _run_sh(tmp_path, "nothing", "--num_iterations", "5", *flag)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and flag[0].split("=")[0] in r.stderr, r.stderr
+    assert not any(c.startswith(("train_gpt_cplm.py", "data/")) for c in calls), calls
 
 
 def test_run_sh_without_a_gpu_runs_the_race(tmp_path):

@@ -269,8 +269,10 @@ def make_labels(configs):
         return json.dumps([k in c, c.get(k)], sort_keys=True, default=str)
     differing = [k for k in keys if len({sig(c, k) for c in configs}) > 1]
     labels = []
+    modes = {0: "vanilla", 1: "CPLM"}  # the modes by the names README gives them
     for c in configs:
-        parts = [f"{k}={_fmt_value(c.get(k))}" for k in differing]
+        parts = [modes[c[k]] if k == "cplm" and c.get(k) in modes else f"{k}={_fmt_value(c.get(k))}"
+                 for k in differing]
         labels.append(" ".join(parts) if parts else "all")
     return labels
 
