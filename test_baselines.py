@@ -311,3 +311,8 @@ def test_keep_done_scores_only_new_or_rewritten_checkpoints(tmp_path, monkeypatc
     assert ts.main(argv) == 0 and calls[-1] == str(first) and len(calls) == 3
     assert [r["checkpoint"] for r in json.loads((tmp_path / "slice.json").read_text())["records"]] == [
         str(first), str(second)]
+    # a hostile tester's: a checkpoint rotated away by --keep_checkpoints lost its score for good; it stays
+    first.unlink()
+    assert ts.main(argv) == 0 and len(calls) == 3
+    assert sorted(r["checkpoint"] for r in json.loads((tmp_path / "slice.json").read_text())["records"]) == sorted(
+        [str(first), str(second)])

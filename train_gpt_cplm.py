@@ -1275,8 +1275,9 @@ def window_blocks(step, a: Hyperparameters):
 class Logger:
     """Rank 0 writes logs/<run_id>.txt: the script's source, the environment, then the run's lines. A run that
     resumes its own checkpoint appends a "resumed" section to its log. A new run writes to a hidden temporary
-    file, which takes the name logs/<run_id>.txt (and, with --overwrite, the old run's checkpoints go) only at
-    start(), right before the first step: a refused or crashed start leaves an earlier run's log untouched.
+    file, which takes the name logs/<run_id>.txt only at start(), after the first validation (with --overwrite,
+    the old run's checkpoints go at this run's first save): a refused or crashed start leaves an earlier run as
+    it was.
     undo() takes back what a refused run wrote."""
 
     def __init__(self, a: Hyperparameters, master: bool):
@@ -1309,8 +1310,7 @@ class Logger:
                 f.write(line + "\n")
 
     def start(self, overwrite=False):
-        """The run has really started (its first step is next): its log takes the run_id's name, then, with
-        --overwrite, the old run's checkpoints go (never those of the folder being resumed from)."""
+        """The run has really started (its first validation is logged): its log takes the run_id's name."""
         self.started = True
         if self.path and self.writing != self.path:
             if overwrite:
@@ -1323,8 +1323,12 @@ class Logger:
                                      f"--run_id?); this run's log is {self.writing}")
                 os.remove(self.writing)
             self.writing = self.path
-            if overwrite and os.path.isdir(self.run_folder) and os.path.realpath(self.run_folder) != self.resume_folder:
-                for old in glob.glob(os.path.join(glob.escape(self.run_folder), "state_step*.pt")):
+
+    def remove_overwritten_checkpoints(self, keep):
+        """--overwrite: the old run's checkpoints go once this run has saved one (never the resumed folder's)."""
+        if self.path and os.path.isdir(self.run_folder) and os.path.realpath(self.run_folder) != self.resume_folder:
+            for old in glob.glob(os.path.join(glob.escape(self.run_folder), "state_step*.pt")):
+                if old not in keep:
                     os.remove(old)
 
     def undo(self, keep_if_new=False):
@@ -1612,6 +1616,8 @@ def main(argv=None):
     log = Logger(a, master)
     try:
         code = train(a, log, rank, world_size, device)
+        if not log.started:  # stopped at its first validation (a NaN): its log stays only where none was
+            log.undo(keep_if_new=True)
         if distributed:  # no rank tears its connections down while another still uses them (gloo aborted
             dist.barrier()  # a finished job now and then: "terminate called without an active exception")
         return code
@@ -1768,7 +1774,6 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    log.start(overwrite=bool(a.overwrite))  # the run really starts: its log (and checkpoints) are now its own
     waited = time.perf_counter()
     gpu_turn = take_gpu_turn()  # released after the final line
     if gpu_turn is not None:
@@ -1807,12 +1812,16 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         if validate or last:
             synchronize()
             t0 = time.perf_counter()
+        if not log.started:  # after the first validation: only now does an --overwrite run replace the old log
+            log.start(overwrite=bool(a.overwrite))
         if rank == 0 and step > start_step and ((a.checkpoint_every > 0 and step % a.checkpoint_every == 0)
                                                 or (last and a.save_checkpoint)):
             synchronize()
             training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops while saving, and is saved
             save_checkpoint(checkpoint_path(step), model, optimizers, step, loader, training_time_ms, a, written)
             log(f"saved checkpoint {checkpoint_path(step)}")
+            if a.overwrite and len(written) == 1:  # this run has a checkpoint: the old run's others go now
+                log.remove_overwritten_checkpoints(keep=written)
             t0 = time.perf_counter()
         if last:
             break

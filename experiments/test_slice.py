@@ -349,6 +349,10 @@ def main(argv=None):
         try:
             done = {(r["checkpoint"], tuple(r["file"]), tuple(r["slice"])): r  # older records: scored again
                     for r in json.load(open(args.out + ".json"))["records"] if "file" in r and "slice" in r}
+            # scores of checkpoints gone from disk since (rotated away by --keep_checkpoints) stay: nothing to redo
+            this_slice = tuple(slice_key(args.test_start, args.test_tokens, documents))
+            records = [r for (name, _, slice_), r in done.items() if slice_ == this_slice
+                       and not os.path.exists(name if os.path.isabs(name) else os.path.join(ROOT, name))]
         except (ValueError, KeyError, TypeError) as e:
             print(f"test_slice.py: error: --keep_done: {args.out}.json is not this script's output ({e})",
                   file=sys.stderr)
