@@ -196,17 +196,7 @@ fault "lse_grad": the backward's LSE gradient times ln 2."""
             return out
         return lowered
 
-    saved = {op: lowerings[op] for op in preflight._flex_ops()}
-
-    @contextlib.contextmanager
-    def patched():
-        try:
-            for op, lower in saved.items():
-                lowerings[op] = wrap(op, lower)
-            yield
-        finally:
-            lowerings.update(saved)
-    return patched()
+    return preflight.flex_lowerings_wrapped(wrap)
 
 
 def _count_launches(launches):
@@ -235,7 +225,6 @@ def main(argv):
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (test_gpu_interpreter.run_check)"
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(HERE, "tools"))
-    import torch
     import torch._inductor.config as inductor_config
     import torch.nn.attention.flex_attention as flex_module
     import unittest.mock

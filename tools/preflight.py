@@ -212,6 +212,14 @@ def _flex_lowered_as_on_gpu(stops: list, kernels: list | None = None):
                 return tree_map(placeholder, V.graph.current_node.meta["val"])
         return as_on_gpu
 
+    with flex_lowerings_wrapped(wrap):
+        yield
+
+
+@contextlib.contextmanager
+def flex_lowerings_wrapped(wrap):
+    """FlexAttention's inductor lowerings replaced by wrap(op, lowering) while the context lasts."""
+    from torch._inductor.lowering import lowerings
     saved = {op: lowerings[op] for op in _flex_ops()}
     try:
         for op, lower in saved.items():
