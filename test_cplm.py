@@ -846,7 +846,9 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     (["--preset", "cpu", "--cp_backend", "flex"], "--cp_backend flex needs a CUDA GPU"),
     (["--run_id", "r" * 300], "--run_id is 300 characters: at most 200"),
     (["--log_dir", ""], "--log_dir must name a folder"),
-    (["--num_layers", "3"], "--num_layers must be even"),  # once accepted, then 'pop from empty list' (U-net)
+    (["--num_layers", "3"], "--num_layers must be even"),
+    (["--target_val_loss", "nan"], "must be >= 0: --target_val_loss nan"),  # once: "must be >= 0: " and nothing
+    (["--cp_stop_grad", "1", "--cplm", "0"], "--cp_stop_grad is an ablation of the CP head: it needs --cplm 1"),  # once accepted, then 'pop from empty list' (U-net)
 ])
 def test_bad_values_are_usage_errors(args, message):
     with pytest.raises(tg.UsageError, match=re.escape(message)):
@@ -2158,6 +2160,24 @@ def test_overwrite_destroys_nothing_before_the_new_run_can_replace_it(toy_data, 
         tg.main(tiny_flags(toy_data, tmp_path, run_id="old", overwrite=1, warmup_steps=0))
     after = {p: p.read_bytes() for p in [tmp_path / "old.txt", *(tmp_path / "old").iterdir()]}
     assert after == before and not list(tmp_path.glob(".old.txt.starting*"))
+
+
+def test_a_full_disk_while_saving_ends_in_one_error(toy_data, tmp_path, monkeypatch):
+    """A hostile tester's (tmpfs): a full disk while saving ended in a 4-level chained traceback, since the log's
+    `stopped:` line could not be written either. Now the save's one DataError is what comes out."""
+    def full_disk(path, *args):
+        raise tg.DataError(f"{path}: cannot save the checkpoint (No space left on device)")
+    writes = tg.Logger.__call__
+
+    def log_on_a_full_disk(self, line, *args, **kwargs):
+        if line.startswith("stopped:"):
+            raise OSError(28, "No space left on device")
+        return writes(self, line, *args, **kwargs)
+    monkeypatch.setattr(tg, "save_checkpoint", full_disk)
+    monkeypatch.setattr(tg.Logger, "__call__", log_on_a_full_disk)
+    with pytest.raises(tg.DataError, match="No space left") as raised:
+        tg.main(tiny_flags(toy_data, tmp_path, checkpoint_every=2, warmup_steps=0))
+    assert raised.value.__context__ is None
 
 
 def test_a_diverged_model_saves_no_checkpoint_over_good_ones(tmp_path):

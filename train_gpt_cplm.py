@@ -11,6 +11,7 @@ distributed loop -> logging. The method, in short, is in README.md; here, look f
 inference) lives beside this file in inference.py: the speedrun never runs it.
 """
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -215,6 +216,7 @@ def check_args(a: Hyperparameters):
     need(a.cp_backend != "flex" or torch.cuda.is_available(), "--cp_backend flex needs a CUDA GPU (FlexAttention "
          "has no backward on CPU): use --cp_backend dense or auto")
     need(a.cplm == 1 or a.copy_gate_init == 0, "--copy_gate_init sets the CP head's gate: it needs --cplm 1")
+    need(a.cplm == 1 or a.cp_stop_grad != 1, "--cp_stop_grad is an ablation of the CP head: it needs --cplm 1")
     need(a.copy_gate in ("lm", "sentinel") and (a.copy_gate == "lm" or (a.cplm == 1 and a.copy_gate_init == 0)),
          f"--copy_gate is lm or sentinel (got {a.copy_gate!r}); sentinel needs --cplm 1 and no --copy_gate_init")
     need(a.resume == "" or os.path.isfile(a.resume), f"--resume: no such checkpoint file: {a.resume}")
@@ -230,7 +232,7 @@ def check_args(a: Hyperparameters):
          "--seed must lie in [0, 2^63), --data_seed in [-1, 2^63)")
     intervals = ("val_loss_every", "train_loss_every", "checkpoint_every", "warmup_steps", "target_val_loss")
     need(all(getattr(a, f) >= 0 for f in intervals), "must be >= 0: " + ", ".join(
-        f"--{f} {getattr(a, f)}" for f in intervals if getattr(a, f) < 0))
+        f"--{f} {getattr(a, f)}" for f in intervals if not getattr(a, f) >= 0))  # nan too
     need(a.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1")
     need(re.fullmatch(r"[\w.-]*", a.run_id) is not None and a.run_id not in (".", ".."),
          f"--run_id {a.run_id!r} must be a plain name (letters, digits, '.', '_', '-'): it names files")
@@ -1625,10 +1627,12 @@ def main(argv=None):
         if not log.started:  # refused before the first step: leave no trace in the logs
             log.undo()
         else:
-            log(f"stopped: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}", console=False)
+            with contextlib.suppress(OSError):  # a full disk: the one line that says why still reaches stderr
+                log(f"stopped: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}", console=False)
         raise
     except BaseException as e:  # the log ends with why it stopped
-        log(f"stopped: {type(e).__name__}: {e}", console=False)
+        with contextlib.suppress(OSError):
+            log(f"stopped: {type(e).__name__}: {e}", console=False)
         if not log.started:
             log.undo(keep_if_new=True)  # an earlier run's log stays as it was
         raise
