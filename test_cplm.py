@@ -1056,6 +1056,17 @@ def test_a_usage_error_under_torchrun_is_said_once(toy_data, tmp_path):
     assert r.returncode != 0 and r.stderr.count("--cplm must be 0 or 1") == 1
 
 
+def test_a_refused_start_under_torchrun_ends_at_once(toy_data, tmp_path):
+    """A hostile tester's: only rank 0 checked the log's name, so rank 1 waited in the rendezvous until torchrun
+    killed it (~33 s). Every rank now makes the read-only checks and refuses at once."""
+    import time
+    assert run_cli(tiny_flags(toy_data, tmp_path, num_iterations=0)).returncode == 0
+    t0 = time.monotonic()
+    r = run_cli(tiny_flags(toy_data, tmp_path, num_iterations=0), nproc=2)
+    assert r.returncode != 0 and r.stderr.count("run.txt exists") == 1, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 25
+
+
 def test_sigterm_ends_the_log_with_a_stopped_line(toy_data, tmp_path):
     """A scheduler's SIGTERM once left a log without a "stopped:" line, ended mid-run."""
     import signal as sig

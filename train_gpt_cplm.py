@@ -1358,14 +1358,16 @@ def continues_own_run(a: Hyperparameters):
         os.path.join(a.log_dir, a.run_id))
 
 
-def check_log_target(a: Hyperparameters):
+def check_log_target(a: Hyperparameters, writer=True):
     """Before anything starts: the log directory is writable, and a fresh run does not overwrite another
-    run's log unless asked."""
+    run's log unless asked. writer=False (ranks > 0): the read-only checks, so that every rank refuses at once
+    instead of waiting in the rendezvous for a rank 0 that has gone."""
     try:
-        os.makedirs(a.log_dir, exist_ok=True)
-        with open(os.path.join(a.log_dir, f".{a.run_id}.probe"), "w"):
-            pass
-        os.remove(os.path.join(a.log_dir, f".{a.run_id}.probe"))
+        if writer:
+            os.makedirs(a.log_dir, exist_ok=True)
+            with open(os.path.join(a.log_dir, f".{a.run_id}.probe"), "w"):
+                pass
+            os.remove(os.path.join(a.log_dir, f".{a.run_id}.probe"))
     except OSError as e:
         raise UsageError(f"--log_dir {a.log_dir}: cannot write there ({e.strerror})")
     checkpoints = os.path.join(a.log_dir, a.run_id)
@@ -1374,7 +1376,8 @@ def check_log_target(a: Hyperparameters):
     if os.path.exists(log_path(a)) and not continues_own_run(a) and not a.overwrite:
         raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume of one of its "
                          "own checkpoints, or replace it with --overwrite 1")
-    remove_dead_writers_files([a.log_dir], f".{glob.escape(a.run_id)}.txt.starting*")  # runs killed before starting
+    if writer:
+        remove_dead_writers_files([a.log_dir], f".{glob.escape(a.run_id)}.txt.starting*")  # killed before starting
     folder = os.path.join(a.log_dir, a.run_id)
     if glob.glob(os.path.join(glob.escape(folder), "state_step*.pt")) and not a.resume and not a.overwrite:
         raise UsageError(f"{folder} holds checkpoints of an earlier run: choose another --run_id, continue it with "
@@ -1608,8 +1611,7 @@ def main(argv=None):
     if (a.batch_size // a.seq_len) % world_size:
         raise UsageError(f"--batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not divisible by "
                          f"{world_size} processes")
-    if rank == 0:
-        check_log_target(a)
+    check_log_target(a, writer=rank == 0)
     if distributed:  # a rank that stops answering ends the job after dist_timeout_s instead of hanging it
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None,
