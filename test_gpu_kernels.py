@@ -76,7 +76,7 @@ def test_evaluation_holds_no_float32_logits(cplm):
     """Evaluation with per-token statistics, as compiled on CUDA (2 layers, 2048-token rows): the bf16 logits
     are its one (T, V) buffer; a float32 copy would be 52.7 GB more at the record's 256Ki-token rows."""
     T = 2048
-    model = preflight.speedrun_model(cplm, T, num_layers=2, no_attention_layer=-1).eval()
+    model = preflight.cuda_path_model(cplm, T, num_layers=2, no_attention_layer=-1).eval()
     with torch.no_grad():
         found = logits_buffers(lambda a, b, w: model(a, b, w, token_stats=True), T, model)
     assert found == {"float32": 0, "bf16": 1, "largest": 2}, found
@@ -88,6 +88,6 @@ def test_the_float32_logits_check_can_fail():
     T = 2048
     found = {}
     for cplm in (0, 1):
-        model = preflight.speedrun_model(cplm, T, num_layers=2, no_attention_layer=-1)
+        model = preflight.cuda_path_model(cplm, T, num_layers=2, no_attention_layer=-1)
         found[cplm] = logits_buffers(model, T, model)
     assert found[0]["float32"] >= 1 and found[1]["float32"] == 0, found

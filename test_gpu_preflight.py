@@ -72,15 +72,8 @@ def test_cp_head_zero_coupling_is_exact():
 
 
 def gpu_path_model(cplm):
-    torch.manual_seed(0)
-    cfg = tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=2, max_seq_len=512,
-                       no_attention_layer=2, fp8_head=1, cplm=cplm)
-    model = tg.GPT(cfg)
-    model.attention_backend = model.cp_backend = "flex"
-    for m in model.modules():  # as on CUDA: bf16 embeddings make the activations bf16
-        if isinstance(m, torch.nn.Embedding):
-            m.bfloat16()
-    return model
+    return preflight.cuda_path_model(cplm, 512, vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64,
+                                     num_heads=2, no_attention_layer=2)
 
 
 @pytest.mark.parametrize("cplm", [0, 1])

@@ -1378,10 +1378,9 @@ def check_log_target(a: Hyperparameters, writer=True):
                          "own checkpoints, or replace it with --overwrite 1")
     if writer:
         remove_dead_writers_files([a.log_dir], f".{glob.escape(a.run_id)}.txt.starting*")  # killed before starting
-    folder = os.path.join(a.log_dir, a.run_id)
-    if glob.glob(os.path.join(glob.escape(folder), "state_step*.pt")) and not a.resume and not a.overwrite:
-        raise UsageError(f"{folder} holds checkpoints of an earlier run: choose another --run_id, continue it with "
-                         "--resume of one of them, or replace them with --overwrite 1")
+    if glob.glob(os.path.join(glob.escape(checkpoints), "state_step*.pt")) and not a.resume and not a.overwrite:
+        raise UsageError(f"{checkpoints} holds checkpoints of an earlier run: choose another --run_id, continue it "
+                         "with --resume of one of them, or replace them with --overwrite 1")
     if continues_own_run(a) and not a.overwrite:  # resuming from an earlier checkpoint would overwrite later ones
         def step_of(path):
             m = re.search(r"state_step(\d+)\.pt$", path)
@@ -1799,23 +1798,22 @@ def train(a: Hyperparameters, log, rank, world_size, device):
             if device.type == "cuda":
                 peak_train = max(peak_train, torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
-        if validate:
-            result = evaluate(compiled, val_tokens, a, window_tensor(step), rank, world_size, device)
-            if device.type == "cuda":
-                peak_eval = max(peak_eval, torch.cuda.max_memory_allocated())
-                torch.cuda.reset_peak_memory_stats()
-            log(f"step:{step}/{a.num_iterations} val_loss:{result['val_loss']:.4f} "
-                f"train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms")
-            log(f"step:{step}/{a.num_iterations} " + " ".join(f"{k}:{v:.4f}" for k, v in result.items()
-                                                              if k != "val_loss"))
-            if not math.isfinite(result["val_loss"]):
-                log(f"stopped: val_loss is {result['val_loss']} at step {step}; "
-                    "lower the learning rates or check the data")
-                return 1
-            if 0 < a.target_val_loss and result["val_loss"] <= a.target_val_loss:
-                log(f"target val_loss {a.target_val_loss} reached at step {step}")
-                last = True
-        if validate or last:
+            if validate:
+                result = evaluate(compiled, val_tokens, a, window_tensor(step), rank, world_size, device)
+                if device.type == "cuda":
+                    peak_eval = max(peak_eval, torch.cuda.max_memory_allocated())
+                    torch.cuda.reset_peak_memory_stats()
+                log(f"step:{step}/{a.num_iterations} val_loss:{result['val_loss']:.4f} "
+                    f"train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                log(f"step:{step}/{a.num_iterations} " + " ".join(f"{k}:{v:.4f}" for k, v in result.items()
+                                                                  if k != "val_loss"))
+                if not math.isfinite(result["val_loss"]):
+                    log(f"stopped: val_loss is {result['val_loss']} at step {step}; "
+                        "lower the learning rates or check the data")
+                    return 1
+                if 0 < a.target_val_loss and result["val_loss"] <= a.target_val_loss:
+                    log(f"target val_loss {a.target_val_loss} reached at step {step}")
+                    last = True
             synchronize()
             t0 = time.perf_counter()
         if not log.started:  # after the first validation: only now does an --overwrite run replace the old log

@@ -372,21 +372,38 @@ def flex_role(kernel: FlexKernel) -> str:
     return "CP document mask" if len(captured) == 1 else "CP match mask"
 
 
+def cuda_path_model(cplm, max_seq_len, **config):
+    """The model as CUDA holds it (FP8 head, bf16 embeddings, flex attention), on the CPU: the speedrun preset's
+    size unless config (GPTConfig's fields) says otherwise."""
+    import train_gpt_cplm as tg
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(fp8_head=1, cplm=cplm, max_seq_len=max_seq_len, **config))
+    model.attention_backend = model.cp_backend = "flex"
+    for m in model.modules():  # as on CUDA: bf16 embeddings make the activations bf16
+        if isinstance(m, torch.nn.Embedding):
+            m.bfloat16()
+    return model
+
+
+def packed_row(T, seed, doc_len=3000, bos=50256):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, bos, (1, T + 1), generator=g)
+    ids[0, ::doc_len] = bos
+    return ids[:, :-1], ids[:, 1:]
+
+
 def speedrun_kernels(cplm, train_len=48 * 1024, val_len=256 * 1024):
     """Every FlexAttention kernel the speedrun preset compiles on an H100/H200 in one mode, rendered for sm_90
     at the preset's shapes: training (one 48Ki-token row per GPU, forward and backward) and evaluation (one
-    256Ki-token row). Returns [(graph, FlexKernel)], one per distinct kernel source."""
-    model = speedrun_model(cplm, val_len)
+    256Ki-token row). Returns [(graph, FlexKernel)], one per op (kernel_table keeps one per distinct source)."""
+    model = cuda_path_model(cplm, val_len)
     window = torch.tensor(14, dtype=torch.int32)  # the record's final long window, 1728 tokens in 128-token blocks
     found = [("training", k) for r in lower(model, *packed_row(train_len, 0), window, sm90=True) for k in r.kernels]
     model.eval()
     with torch.no_grad():
         found += [("evaluation", k) for r in lower(lambda a, b, w: model(a, b, w, token_stats=True),
                                                    *packed_row(val_len, 1), window, sm90=True) for k in r.kernels]
-    distinct = {}
-    for graph, k in found:
-        distinct.setdefault(k.source, (graph, k))
-    return list(distinct.values())
+    return found
 
 
 def kernel_table(cplm_modes=(0, 1)):
@@ -454,30 +471,11 @@ def peak_bytes(events):
     return peak, largest
 
 
-def speedrun_model(cplm, max_seq_len, **config):
-    """The speedrun preset's model as CUDA holds it (FP8 head, bf16 embeddings, flex attention), on the CPU."""
-    import train_gpt_cplm as tg
-    torch.manual_seed(0)
-    model = tg.GPT(tg.GPTConfig(fp8_head=1, cplm=cplm, max_seq_len=max_seq_len, **config))
-    model.attention_backend = model.cp_backend = "flex"
-    for m in model.modules():  # as on CUDA: bf16 embeddings make the activations bf16
-        if isinstance(m, torch.nn.Embedding):
-            m.bfloat16()
-    return model
-
-
-def packed_row(T, seed, doc_len=3000, bos=50256):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, bos, (1, T + 1), generator=g)
-    ids[0, ::doc_len] = bos
-    return ids[:, :-1], ids[:, 1:]
-
-
 def evaluation_memory(cplm, T=256 * 1024, **config):
     """What one validation row of T tokens holds on the GPU, read from its lowered graph: (peak of the graph's
     own buffers, its largest buffer, the bytes of weights and optimizer states that stay resident), bytes."""
     import train_gpt_cplm as tg
-    model = speedrun_model(cplm, T, **config).eval()
+    model = cuda_path_model(cplm, T, **config).eval()
     window = torch.tensor(14, dtype=torch.int32)
     with torch.no_grad():
         events = allocations(lambda a, b, w: model(a, b, w, token_stats=True), *packed_row(T, 1), window)
