@@ -1,16 +1,16 @@
-"""Generation beside the training script: a KV cache for the backbone and a CP-key cache for the copy head,
-sampling, and loading a trained model from a checkpoint. The speedrun never runs this; experiments/ (sample.py,
-needle.py, ...) and test_inference.py import it. It mirrors train_gpt_cplm's forward token by token and is
-tested against GPT.next_token_log_probs (the dense reference of the mixture, which stays with the model).
+"""Beside the training script: the dense reference of the mixture (cplm_log_probs: p(v) for every v, the oracle
+the training loss is tested against), generation (a KV cache for the backbone, a CP-key cache for the copy head,
+sampling) and loading a trained model from a checkpoint. The speedrun never runs this; experiments/ and the
+tests import it. Generation mirrors train_gpt_cplm's forward token by token and is tested against
+next_token_log_probs (the model's whole distribution through the dense reference).
 """
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
 
 from train_gpt_cplm import (ATTN_SCALE, BLOCK, CausalSelfAttention, DataError, GPT, GPTConfig, Hyperparameters,
-                            Rotary, norm)
+                            Rotary, norm, read_checkpoint)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -19,17 +19,10 @@ from train_gpt_cplm import (ATTN_SCALE, BLOCK, CausalSelfAttention, DataError, G
 
 def read_model_checkpoint(path, device="cpu", mmap=False):
     """(its run's Hyperparameters, the step it was saved at, the weights) of a checkpoint that save_checkpoint
-    wrote; mmap=True reads the weights from disk only when they are used (listing many checkpoints). A
-    missing, unreadable or unresolved file is a DataError (one line)."""
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such checkpoint file")
-    try:
-        state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
-        saved, step, weights = state["hyperparameters"], state["step"], state["model"]
-        assert isinstance(saved, dict) and isinstance(step, int) and isinstance(weights, dict)
-    except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
-        raise DataError(f"{path}: not a readable checkpoint of this script "
-                        f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+    wrote; mmap=True reads the weights from disk only when they are used (listing many checkpoints), unverified.
+    A missing, unreadable, corrupted, diverged or unresolved file is a DataError (one line)."""
+    state = read_checkpoint(path, device, verify=not mmap, mmap=mmap, resumable=False)
+    saved, step, weights = state["hyperparameters"], state["step"], state["model"]
     known = {f.name for f in dataclasses.fields(Hyperparameters)}
     a = dataclasses.replace(Hyperparameters(), **{k: v for k, v in saved.items() if k in known})
     if a.vocab_size <= 0 or a.bos_id < 0:
@@ -56,6 +49,74 @@ def load_model(path, device="cpu", max_seq_len=0):
         raise DataError(f"{path}: its weights do not fit the model its hyperparameters describe "
                         f"({str(e).splitlines()[0][:200]})")
     return model.eval(), a, step
+
+
+# -----------------------------------------------------------------------------------------------------
+# The dense reference of the mixture (cplm-method's p(v) for every v): the oracle of the training loss and of
+# the generation caches below
+
+
+def cplm_log_probs(lm_logits, q, k, sink_key, key_ids, copy_id, allowed=None, gate="lm", sink_bias=None):
+    """Dense reference of the mixture: log p(v) for every slot, (B, T, Vp) float32, <copy> at -inf.
+    lm_logits (B, T, Vp) after the soft-cap; q (B, T, d) at the T positions scored; k (B, S, d) and
+    key_ids (B, S) at the positions they may copy from; sink_key (d,). allowed (B, T, S) bool says which
+    keys each query sees (every query must see at least one); None: S = T, one document, position t copies
+    from every tau <= t. gate "sentinel": p = s p_vocab + (1 - s) p_ptr, the pointer sentinel (p_vocab the
+    softmax without <copy>), sink_bias added to the sink's score. Builds (T, S) and (T, Vp) tensors: for tests,
+    evaluation and sampling, not for training."""
+    B, T, Vp = lm_logits.shape
+    S = k.size(1)
+    z = lm_logits.float()
+    q, k, sink_key = q.float(), k.float(), sink_key.float()
+    scale = q.size(-1) ** -0.5
+    log_p_full = z.log_softmax(-1)
+    log_c = log_p_full[..., copy_id]
+    log_1mc = torch.logaddexp(log_p_full[..., :copy_id].logsumexp(-1), log_p_full[..., copy_id + 1:].logsumexp(-1))
+    if allowed is None:
+        allowed = torch.ones(T, S, dtype=torch.bool, device=z.device).tril()
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    a_sink = q @ sink_key * scale + (0 if sink_bias is None else sink_bias.float())
+    lse_all = torch.logaddexp(scores.logsumexp(-1), a_sink)
+    log_s = a_sink - lse_all
+    # copy mass per token: sum of alpha_t(tau) over tau with x_tau = v, computed relative to the row max
+    row_max = scores.amax(-1, keepdim=True)
+    weights = (scores - row_max).exp()
+    mass = torch.zeros_like(z).scatter_add_(-1, key_ids[:, None, :].long().expand(B, T, S), weights)
+    safe_log_mass = torch.where(mass > 0, mass.clamp_min(1e-30).log(), float("-inf"))
+    log_copy = log_c[..., None] + safe_log_mass + row_max - lse_all[..., None]
+    log_1ml = torch.logaddexp(log_1mc, log_c + log_s)
+    log_lm = (log_1ml - log_1mc)[..., None] + log_p_full
+    if gate == "sentinel":  # c = 1: lam = 1 - s, and p_LM is the softmax without <copy>, as in the gated mixture
+        log_copy = safe_log_mass + row_max - lse_all[..., None]
+        log_lm = log_s[..., None] + log_p_full - log_1mc[..., None]
+    out = torch.logaddexp(log_lm, log_copy)
+    return out.index_fill(-1, torch.tensor([copy_id], device=z.device), float("-inf"))
+
+
+@torch.no_grad()
+def next_token_log_probs(model: GPT, input_ids, window_blocks=None):
+    """log p(next token) at every position and vocabulary slot, (B, T, padded_vocab) float32, through the dense
+    reference (cplm_log_probs). Packed rows work as in training (attention and copying stay inside each
+    document); window_blocks as in GPT.hidden_states."""
+    if window_blocks is not None and not isinstance(window_blocks, torch.Tensor):
+        window_blocks = torch.tensor(window_blocks, dtype=torch.int32, device=input_ids.device)
+    h, doc_ids = model.hidden_states(input_ids, window_blocks)
+    logits = model.lm_logits(h)
+    if model.cp_head is None:
+        return logits.log_softmax(-1)
+    q, k, _ = model.cp_head(h)
+    T = input_ids.size(-1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
+    return mixture_log_probs(model, logits, q, k, input_ids, causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))
+
+
+def mixture_log_probs(model: GPT, lm_logits, q, k, key_ids, allowed=None):
+    """cplm_log_probs of this model: its gate (and the gate's bias) on soft-capped LM logits (B, T, Vp)."""
+    if model.copy_logit_bias is not None:
+        copy_slot = torch.tensor([model.config.copy_id], device=lm_logits.device)
+        lm_logits = lm_logits.index_add(-1, copy_slot, model.copy_logit_bias.expand(*lm_logits.shape[:-1], 1))
+    return cplm_log_probs(lm_logits, q, k, model.cp_head.sink_key, key_ids, model.config.copy_id, allowed,
+                          model.config.copy_gate, model.sink_bias)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -194,7 +255,7 @@ class InferenceCache:
         if model.cp_head is None:
             return logits.log_softmax(-1)
         allowed = torch.ones(1, 1, self.cp_keys.size(1), dtype=torch.bool, device=h.device)
-        return model.mixture_log_probs(logits, model.cp_head.w_q(h), self.cp_keys, self.cp_ids, allowed)
+        return mixture_log_probs(model, logits, model.cp_head.w_q(h), self.cp_keys, self.cp_ids, allowed)
 
     def nbytes(self) -> dict:
         """Bytes the cache holds now: attention keys and values, CP keys, CP token ids."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import inference
 import train_gpt_cplm as tg
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -305,7 +306,7 @@ def random_mixture_inputs(B=2, T=24, V=40, d=8, seed=0, vocab_used=6, gate=3.0):
 
 def test_reference_matches_oracle_and_is_a_distribution():
     logits, q, k, sink, ids, copy_id = random_mixture_inputs()
-    ref = tg.cplm_log_probs(logits, q, k, sink, ids, copy_id)
+    ref = inference.cplm_log_probs(logits, q, k, sink, ids, copy_id)
     assert ref.dtype == torch.float32 and ref.shape == logits.shape
     assert torch.isneginf(ref[..., copy_id]).all()
     torch.testing.assert_close(ref.logsumexp(-1), torch.zeros(ref.shape[:2]), atol=1e-5, rtol=0)
@@ -334,14 +335,14 @@ def pointer_sentinel_oracle(lm_logits, q, k, sink_key, input_ids, copy_id, sink_
 def test_sentinel_reference_matches_the_pointer_sentinel_formula():
     logits, q, k, sink, ids, copy_id = random_mixture_inputs(seed=4)
     bias = torch.tensor(0.7)
-    ref = tg.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel", sink_bias=bias)
+    ref = inference.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel", sink_bias=bias)
     assert torch.isneginf(ref[..., copy_id]).all()
     torch.testing.assert_close(ref.logsumexp(-1), torch.zeros(ref.shape[:2]), atol=1e-5, rtol=0)
     oracle = pointer_sentinel_oracle(logits, q, k, sink, ids, copy_id, sink_bias=0.7)
     torch.testing.assert_close(ref.double(), oracle, atol=2e-5, rtol=1e-5)
     # the <copy> logit plays no part: the sentinel alone gates
     logits[..., copy_id] += 7
-    again = tg.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel", sink_bias=bias)
+    again = inference.cplm_log_probs(logits, q, k, sink, ids, copy_id, gate="sentinel", sink_bias=bias)
     torch.testing.assert_close(again, ref)
 
 
@@ -354,7 +355,7 @@ def test_sentinel_fast_loss_matches_reference_values_and_gradients(softcap):
     inputs = [x.clone().requires_grad_() for x in (logits, q, k, sink, torch.tensor(-0.4))]
     doc_ids = tg.doc_ids_of(ids, 3)
     allowed = torch.ones(40, 40, dtype=torch.bool).tril() & (doc_ids[:, :, None] == doc_ids[:, None, :])
-    ref = tg.cplm_log_probs(tg.soft_cap(inputs[0], softcap), *inputs[1:4], ids, copy_id, allowed, gate="sentinel",
+    ref = inference.cplm_log_probs(tg.soft_cap(inputs[0], softcap), *inputs[1:4], ids, copy_id, allowed, gate="sentinel",
                             sink_bias=inputs[4])
     ref = ref.gather(-1, targets[..., None])[..., 0]
     ref_grads = torch.autograd.grad(ref.sum(), inputs)
@@ -381,7 +382,7 @@ def test_fast_loss_matches_reference_values_and_gradients(chunk):
     targets = torch.randint(0, 12, ids.shape, generator=torch.Generator().manual_seed(5))
     targets[0, :3] = 30  # never in the context
     inputs = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
-    ref = tg.cplm_log_probs(*inputs, ids, copy_id).gather(-1, targets[..., None])[..., 0]
+    ref = inference.cplm_log_probs(*inputs, ids, copy_id).gather(-1, targets[..., None])[..., 0]
     ref_grads = torch.autograd.grad(ref.sum(), inputs)
     inputs2 = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
     fast = fast_log_p(*inputs2, ids, targets, copy_id, chunk=chunk)
@@ -464,7 +465,7 @@ def test_packed_documents_equal_separate_rows():
     ids[:, 0] = bos
     targets = torch.randint(0, 7, ids.shape, generator=torch.Generator().manual_seed(1))
     separate = [x.clone().requires_grad_() for x in (logits, q, k, sink)]
-    ref = tg.cplm_log_probs(*separate, ids, copy_id).gather(-1, targets[..., None])[..., 0]
+    ref = inference.cplm_log_probs(*separate, ids, copy_id).gather(-1, targets[..., None])[..., 0]
     ref.sum().backward()
     packed_in = [x.detach().reshape(1, 60, *x.shape[2:]).clone().requires_grad_() for x in (logits, q, k)]
     sink_p = sink.clone().requires_grad_()
@@ -549,7 +550,7 @@ def test_model_loss_token_stats_and_log_probs_agree(cplm):
     loss = model(ids, targets)
     stats = model(ids, targets, token_stats=True)
     torch.testing.assert_close(loss, stats["nll"].mean())
-    log_probs = model.next_token_log_probs(ids)
+    log_probs = inference.next_token_log_probs(model, ids)
     assert log_probs.shape == (1, 128, model.config.padded_vocab)
     torch.testing.assert_close(-log_probs.gather(-1, targets[..., None])[..., 0], stats["nll"], atol=1e-5, rtol=1e-5)
     assert set(stats) >= ({"nll", "copyable", "lam", "c", "s"} if cplm else {"nll", "copyable"})
@@ -914,11 +915,16 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     # step 6's checkpoint is there: resuming from step 5 would replace it, so that needs --overwrite 1
     refused = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt))
     assert refused.returncode == 2 and "holds checkpoints after this one (state_step000006.pt)" in refused.stderr
-    resumed = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt, overwrite=1))  # continues run "full"
+    abandoned = tmp_path / "full" / "state_step000009.pt"  # a later step of the branch --overwrite abandons
+    abandoned.write_bytes(b"a later checkpoint")
+    flags = tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt, overwrite=1)
+    del flags[flags.index("--log_dir"):flags.index("--log_dir") + 2]  # its own log is found beside the checkpoints
+    resumed = run_cli(flags)  # continues run "full"
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     log = (tmp_path / "full.txt").read_text()
     assert log.count("def main(argv=None)") == 1 and "resumed from" in log  # one log, a section appended
-    assert "removed" in log and not half.exists()
+    assert "removed" in log and not half.exists() and not abandoned.exists()
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["state_step000005.pt", "state_step000006.pt"]
     first, second = log.split("=" * 100 + "\n", 1)[1].split("=" * 100 + "\nresumed from")
     for kind in ("train_loss", "val_loss"):
         np.testing.assert_allclose(log_values_in(second, kind)[-1], log_values_in(first, kind)[-1], rtol=1e-6)
@@ -1551,6 +1557,25 @@ def test_parse_log_without_hparams_and_stopped(tmp_path):
     assert log["hyperparameters"] == {}
     assert math.isnan(log["val"][-1]["loss"])
     assert log["stopped"] == "nan loss at step 50"
+
+
+def test_parse_log_cuts_the_branch_a_resume_abandons(tmp_path):
+    """A run resumed at step 4 with --overwrite 1 after reaching step 8: the log holds both sections, and only
+    the new branch counts (the hostile tester's #7: compare reported the abandoned branch's step 8)."""
+    p = write_log(tmp_path / "r.txt", "r", hp(0, num_iterations=8), [(0, 10.8, 0), (4, 4.0, 400), (8, 3.0, 800)],
+                  trains=[(s, 5.0, 100 * s) for s in range(1, 9)])
+    lines = ["=" * 100, "resumed from logs/r/state_step000004.pt", "run_id: r",
+             "hyperparameters: " + json.dumps(hp(0, num_iterations=6)),
+             "continuing at step 4, train_time 400ms; every setting as saved",
+             "step:4/6 val_loss:4.0000 train_time:400ms step_avg:100.00ms",
+             "step:5/6 train_loss:4.5000 train_time:500ms step_avg:100.00ms",
+             "step:6/6 val_loss:3.5000 train_time:600ms step_avg:100.00ms",
+             "final val_loss:3.5000 train_time:600ms steps:6"]
+    p.write_text(p.read_text() + "\n".join(lines) + "\n")
+    log = compare.parse_log(p)
+    assert [(v["step"], v["total"], v["loss"]) for v in log["val"]] == [(0, 8, 10.8), (4, 6, 4.0), (6, 6, 3.5)]
+    assert max(t["step"] for t in log["train"]) == 5 and log["train"][-1]["loss"] == 4.5
+    assert log["hyperparameters"]["num_iterations"] == 6 and log["finished"]
 
 
 def test_parse_log_no_val_lines_raises(tmp_path):
@@ -2236,6 +2261,32 @@ def test_a_fresh_run_refuses_a_folder_of_earlier_checkpoints(tmp_path):
     with pytest.raises(tg.UsageError, match="holds checkpoints of an earlier run"):
         tg.check_log_target(tg.parse_args(flags))
     tg.check_log_target(tg.parse_args(flags + ["--overwrite", "1"]))
+
+
+def test_one_process_per_run_id(tmp_path):
+    """The hostile tester's #8: two resumes of one checkpoint both ran, appending to one log. Every start takes
+    the run's lock (an flock, released when the process ends): a second start of the same run_id is refused."""
+    import fcntl
+    flags = ["--preset", "cpu", "--log_dir", str(tmp_path), "--run_id", "run"]
+    with open(tmp_path / ".run.lock", "a") as held:  # another process's run
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(tg.UsageError, match="run run is training in another process"):
+            tg.check_log_target(tg.parse_args(flags))
+        assert tg.check_log_target(tg.parse_args(flags), writer=False) is None  # ranks > 0 take no lock
+    tg.check_log_target(tg.parse_args(flags)).close()
+
+
+def test_resume_checks_flags_against_the_checkpoints_settings(tmp_path, monkeypatch):
+    """The hostile tester's #13: flags given with --resume were checked against the preset's defaults
+    (--seq_len 4096 on a batch-4096 checkpoint was refused), and --copy_gate_init was listed as changed although
+    the loaded bias wins."""
+    saved = dataclasses.asdict(tg.parse_args(["--preset", "cpu", "--batch_size", "4096", "--cplm", "1"]))
+    a = tg.parse_args(["--preset", "cpu", "--resume", "x.pt", "--seq_len", "4096", "--copy_gate_init", "0.5"])
+    merged, changed = tg.settings_on_resume(a, saved)
+    tg.check_args(dataclasses.replace(merged, resume=""))  # the merged settings make a run
+    assert (merged.batch_size, merged.seq_len, merged.cplm, merged.copy_gate_init) == (4096, 4096, 1, 0.0)
+    assert changed == ["--seq_len 1024 -> 4096",
+                       "--copy_gate_init 0.5 ignored (the checkpoint's weights are loaded)"]
 
 
 def test_run_sh_test_runs_every_test_file_and_shows_skip_reasons(tmp_path):

@@ -1,7 +1,7 @@
 """Inference tests: `python3 -m pytest -q test_inference.py` (CPU, well under a minute).
 
 Generation with caches (train_gpt_cplm.InferenceCache, generate) against the dense reference
-(GPT.next_token_log_probs recomputed on the whole sequence at every step), and the inference scripts in
+(inference.next_token_log_probs recomputed on the whole sequence at every step), and the inference scripts in
 experiments/ (sample, needle, inference_memory, copy_picture) on tiny checkpoints written here."""
 import importlib.util
 import json
@@ -53,7 +53,7 @@ def reference_generate(model, prompt, max_new_tokens, temperature, top_k, seed, 
     generator = torch.Generator().manual_seed(seed)
     ids, log_probs = list(prompt), []
     for _ in range(max_new_tokens):
-        lp = model.next_token_log_probs(torch.tensor([ids]), window)[0, -1]
+        lp = inference.next_token_log_probs(model, torch.tensor([ids]), window)[0, -1]
         log_probs.append(lp)
         ids.append(inference.sample_next(lp, VOCAB, temperature, top_k, generator))
     return ids[len(prompt):], log_probs
@@ -70,7 +70,7 @@ def test_every_position_matches_the_reference(cplm, window):
     then single tokens), the cached path's log p(next) equals the reference's at every position."""
     model = tiny_model(cplm)
     ids = two_documents()
-    reference = model.next_token_log_probs(torch.tensor([ids]), window)[0]
+    reference = inference.next_token_log_probs(model, torch.tensor([ids]), window)[0]
     cache = inference.InferenceCache(model, window, prefill_chunk=50)
     got, lo = [], 0
     for size in [1, 63, 131, 7] + [1] * (len(ids) - 202):
@@ -251,7 +251,8 @@ def test_load_model_gives_back_the_saved_model_and_refuses_bad_files(checkpoints
     model, a, step = inference.load_model(str(path), max_seq_len=1000)
     assert step == 10 and a.cplm == 1 and a.run_id == "tiny1" and model.config.max_seq_len == tg.next_multiple(1000, 1)
     ids = torch.tensor([[BYTES_BOS] + list(b"copy this, copy this")])
-    torch.testing.assert_close(model.next_token_log_probs(ids), saved.eval().next_token_log_probs(ids))
+    torch.testing.assert_close(inference.next_token_log_probs(model, ids),
+                               inference.next_token_log_probs(saved.eval(), ids))
     with pytest.raises(tg.DataError, match="no such checkpoint"):
         inference.load_model(str(tmp_path / "missing.pt"))
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
@@ -262,6 +263,17 @@ def test_load_model_gives_back_the_saved_model_and_refuses_bad_files(checkpoints
     torch.save({**state, "extra": PickledObject()}, tmp_path / "code.pt")
     with pytest.raises(tg.DataError, match="not a readable checkpoint.*Unpickl"):
         inference.load_model(str(tmp_path / "code.pt"))
+    # changed bytes (the digest no longer matches) and a diverged model are refused as --resume refuses them
+    changed = {**state, "model": {**state["model"], "lm_head.weight": state["model"]["lm_head.weight"] * 2}}
+    torch.save(changed, tmp_path / "changed.pt")
+    with pytest.raises(tg.DataError, match="do not match the digest"):
+        inference.load_model(str(tmp_path / "changed.pt"))
+    nan = {**state, "model": {**state["model"], "lm_head.weight": state["model"]["lm_head.weight"] * float("nan")}}
+    del nan["digest"]  # saved before digests existed, or (save_checkpoint refuses it) by another tool
+    torch.save(nan, tmp_path / "nan.pt")
+    with pytest.raises(tg.DataError, match="weights are not finite"):
+        inference.load_model(str(tmp_path / "nan.pt"))
+    del state["digest"]
     state["hyperparameters"]["model_dim"] = 64
     torch.save(state, tmp_path / "other_shape.pt")
     with pytest.raises(tg.DataError, match="do not fit"):
@@ -437,7 +449,7 @@ def test_needle_probe_reads_the_gate_and_the_pointer_as_the_dense_reference_does
     assert got["answer_share"] == pytest.approx(float(alpha[answer].sum() / (1 - s)), rel=1e-4)
     # the answer share is p_CP of that token: the dense reference's mixture is (1 - lam) p_LM + lam p_CP there
     with torch.no_grad():
-        p_mix = model.next_token_log_probs(torch.tensor([ids]), 1)[0, -1].exp()
+        p_mix = inference.next_token_log_probs(model, torch.tensor([ids]), 1)[0, -1].exp()
     p_lm = logits.index_fill(0, torch.tensor([model.config.copy_id]), float("-inf")).softmax(-1)
     v = ids[17]
     assert float(p_mix[v]) == pytest.approx(float((1 - got["lam"]) * p_lm[v] + got["lam"] * got["answer_share"]), rel=1e-4)

@@ -1,31 +1,30 @@
-"""train_gpt_cplm.py: a NanoGPT-speedrun-style GPT on FineWeb, vanilla or Copy-Paste LM (CPLM), in one file.
+"""train_gpt_cplm.py: a NanoGPT-speedrun-style GPT on FineWeb, vanilla or Copy-Paste LM (CPLM).
 
     torchrun --standalone --nproc_per_node=8 train_gpt_cplm.py             # vanilla: the 2025-01-26 record
     torchrun --standalone --nproc_per_node=8 train_gpt_cplm.py --cplm 1    # the same run with a CP head
     python train_gpt_cplm.py --preset cpu                                  # small model on a CPU
 
 Sections, in the order data flows: config -> data -> model (backbone, CP head) -> loss -> optimizer ->
-distributed loop -> logging. The method, in short, is in README.md; here, look for
-`CopyPasteHead`, `cplm_target_log_prob` (the training loss), `cplm_log_probs` (the dense reference) and
-`Hyperparameters.cplm` (the switch). Generation (KV cache, CP-key cache, sampling, loading a checkpoint for
-inference) lives beside this file in inference.py: the speedrun never runs it.
+distributed loop. The method, in short, is in README.md; here, look for `CopyPasteHead`,
+`cplm_target_log_prob` (the mixture loss) and `Hyperparameters.cplm` (the switch). Beside this file:
+run_files.py (the run's log, lock and checkpoints; its source follows this one's in every log) and
+inference.py (the dense reference of the mixture, generation, loading a checkpoint): the speedrun never runs
+inference.py.
 """
 import argparse
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import datetime
 import glob
-import hashlib
 import inspect
 import json
 import math
 import os
-import platform
 import re
 import signal
 import stat
-import subprocess
 import sys
 import time
 import uuid
@@ -38,6 +37,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
+
+import run_files
+from run_files import (DataError, Logger, UsageError, check_checkpoint_fits, check_log_target, read_checkpoint,
+                       environment_lines, remove_dead_writers_files, restore_checkpoint, save_checkpoint,
+                       take_gpu_turn)
 
 # -----------------------------------------------------------------------------------------------------
 # Config
@@ -112,24 +116,10 @@ PRESETS = {
     # the 8xH100 speedrun: modded-nanogpt's 2025-01-26 record (1770 steps of 8 x 48Ki tokens); the defaults
     "speedrun": dict(),
     # a 2-core CPU: a 4 x 128 model that trains in minutes on the Python standard library's source
-    "cpu": dict(
-        train_files="data/pystdlib/pystdlib_train_*.bin",
-        val_files="data/pystdlib/pystdlib_val_*.bin",
-        val_tokens=16384,
-        batch_size=2 * 1024,
-        seq_len=1024,
-        val_seq_len=4096,
-        num_layers=4,
-        model_dim=128,
-        num_heads=2,
-        attn_window=1024,
-        attn_window_start=1024,
-        num_iterations=200,
-        val_loss_every=25,
-        train_loss_every=1,
-        warmup_steps=0,
-        lr_muon=0.04,
-    ),
+    "cpu": dict(train_files="data/pystdlib/pystdlib_train_*.bin", val_files="data/pystdlib/pystdlib_val_*.bin",
+                val_tokens=16384, batch_size=2 * 1024, seq_len=1024, val_seq_len=4096, num_layers=4, model_dim=128,
+                num_heads=2, attn_window=1024, attn_window_start=1024, num_iterations=200, val_loss_every=25,
+                train_loss_every=1, warmup_steps=0, lr_muon=0.04),
 }
 
 
@@ -140,14 +130,6 @@ FIELD_HELP = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", inspect.getsourc
 LR_FIELDS = ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")
 FLAGS_GIVEN = set()  # the flags of the last parse_args: a resumed run keeps its checkpoint's settings unless given
 INVOCATION_FIELDS = ("preset", "resume", "run_id", "log_dir", "overwrite")  # about this command, not the run
-
-
-class UsageError(Exception):
-    """A bad command line: reported in one line, exit code 2."""
-
-
-class DataError(Exception):
-    """Missing or malformed data: reported in one line, exit code 1."""
 
 
 def parse_args(argv=None) -> Hyperparameters:
@@ -168,7 +150,8 @@ def parse_args(argv=None) -> Hyperparameters:
     if preset not in PRESETS:
         raise UsageError(f"--preset must be one of {', '.join(PRESETS)} or auto, not {preset!r}")
     args = dataclasses.replace(defaults, **{**PRESETS[preset], **given, "preset": preset})
-    check_args(args)
+    if not args.resume:  # a resumed run is checked once its checkpoint's settings are merged in (main)
+        check_args(args)
     return args
 
 
@@ -735,9 +718,12 @@ class GPT(nn.Module):
             # closed gate)
             c_init = c.copy_gate_init or 1 / V
             self.copy_logit_bias = nn.Parameter(torch.tensor(math.log(c_init / (1 - c_init)) + math.log(V - 1)))
-        # "flex" (FlexAttention kernels, CUDA) or "dense" (masked SDPA and chunked dense CP sums, any device)
+        # chosen once for the device: "flex" (FlexAttention kernels, CUDA) or "dense" (masked SDPA and chunked
+        # dense CP sums, any device); the LM head's loss fused by inductor, or row-chunked for eager CPU runs
         self.attention_backend = "flex" if torch.cuda.is_available() else "dense"
         self.cp_backend = self.attention_backend if c.cp_backend == "auto" else c.cp_backend
+        self.cp_chunk = c.cp_chunk or (4096 if torch.cuda.is_available() else 512)
+        self.head_loss = (HeadLoss if torch.cuda.is_available() else EagerCPUHeadLoss)(c.logit_softcap, c.copy_id)
 
     @property
     def gate_bias(self):  # the gate's learnable bias: on the <copy> logit, or (pointer sentinel) on the sink's score
@@ -773,112 +759,24 @@ class GPT(nn.Module):
         """Mean next-token loss; with token_stats, a dict of per-token tensors (B, T): nll, copyable
         (the target occurs earlier in its document) and, in CPLM mode, the gates lam, c, s."""
         h, doc_ids = self.hidden_states(input_ids, window_blocks)
-        cap = self.config.logit_softcap
-        # CPU evaluation computes the head 1024 positions at a time: its (T, V) tensors then fit the holes that
-        # training's leave in the heap (use_heap_for_large_tensors), so validation adds nothing to the peak
-        on_cpu = self.attention_backend == "dense"  # the CPU path (the GPU pre-flight lowers the CUDA one on a CPU)
-        pieces = [slice(lo, lo + 1024) for lo in range(0, h.size(1), 1024)] if token_stats and on_cpu else None
-        head_out = self.lm_head(h) if pieces is None else None
-        copyable = None  # vanilla training never needs it: no sort on that hot path
-        if self.cp_head is not None or token_stats:
-            copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
+        if self.cp_head is None and not token_stats:
+            return self.head_loss.vanilla_mean(self.lm_head, h, target_ids)  # the record's loss
+        copyable = target_in_context(input_ids, target_ids, doc_ids, self.config.padded_vocab)
         if self.cp_head is None:
-            # eager CPU training: the record's loss in chunks of rows (VanillaLossCPU), the same bits
-            lean = on_cpu and not (token_stats or torch.compiler.is_compiling()) and self.config.padded_vocab > 4096
-            if lean and torch.is_grad_enabled() and head_out.requires_grad:
-                nll = VanillaLossCPU.apply(head_out, target_ids, cap)
-            elif lean:
-                nll = VanillaLossCPU.mean(VanillaLossCPU.token_nll(head_out, target_ids, cap))
-            elif pieces is None and token_stats:  # lse - z_y: no (T, V) float32 tensor at 256Ki-token rows
-                lse_without_copy, z_copy, z_y = lm_head_terms(head_out, target_ids, self.config.copy_id, cap)
-                nll = torch.logaddexp(lse_without_copy, z_copy) - z_y
-            elif pieces is None:
-                nll = vanilla_nll(head_out, target_ids, cap)
-            else:  # CPU evaluation: per-token nll, each piece in chunks of rows when eager (inductor fuses them)
-                rows = None if torch.compiler.is_compiling() else 32
-                nll = torch.cat([VanillaLossCPU.token_nll(self.lm_head(h[:, p]), target_ids[:, p], cap, rows)
-                                 for p in pieces])
-            stats = {"nll": nll.view_as(target_ids) if token_stats else nll}
+            stats = {"nll": self.head_loss.vanilla_token_nll(self.lm_head, h, target_ids)}
         else:
             q, k, sink_key = self.cp_head(h.detach() if self.config.cp_stop_grad else h)
-            terms = None if pieces is None else [torch.cat(t, 1) for t in zip(*(
-                LMHeadTermsCPU.apply(self.lm_head(h[:, p]), target_ids[:, p], self.config.copy_id, cap)
-                for p in pieces))]
-            stats = cplm_target_log_prob(head_out, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
-                                         self.config.copy_id, self.gate_bias, cap, backend=self.cp_backend,
-                                         gate=self.config.copy_gate,
-                                         chunk=self.config.cp_chunk or (4096 if h.is_cuda else 512), head_terms=terms)
+            stats = cplm_target_log_prob(None, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
+                                         self.config.copy_id, self.gate_bias, backend=self.cp_backend,
+                                         chunk=self.cp_chunk, gate=self.config.copy_gate,
+                                         head_terms=self.head_loss.terms(self.lm_head, h, target_ids))
             stats["nll"] = -stats.pop("log_p")
-        if token_stats:
-            return {**stats, "copyable": copyable}
-        return stats["nll"] if self.cp_head is None else stats["nll"].mean()
-
-    @torch.no_grad()
-    def next_token_log_probs(self, input_ids, window_blocks=None):
-        """log p(next token) at every position and vocabulary slot, (B, T, padded_vocab) float32, through
-        the dense reference: the oracle of generation's caches. Packed rows work as in training (attention
-        and copying stay inside each document); window_blocks as in hidden_states."""
-        if window_blocks is not None and not isinstance(window_blocks, torch.Tensor):
-            window_blocks = torch.tensor(window_blocks, dtype=torch.int32, device=input_ids.device)
-        h, doc_ids = self.hidden_states(input_ids, window_blocks)
-        logits = self.lm_logits(h)
-        if self.cp_head is None:
-            return logits.log_softmax(-1)
-        q, k, _ = self.cp_head(h)
-        T = input_ids.size(-1)
-        causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
-        allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
-        return self.mixture_log_probs(logits, q, k, input_ids, allowed)
-
-    def mixture_log_probs(self, lm_logits, q, k, key_ids, allowed=None):
-        """cplm_log_probs of this model: its gate (and the gate's bias) on soft-capped LM logits (B, T, Vp)."""
-        if self.copy_logit_bias is not None:
-            copy_slot = torch.tensor([self.config.copy_id], device=lm_logits.device)
-            lm_logits = lm_logits.index_add(-1, copy_slot, self.copy_logit_bias.expand(*lm_logits.shape[:-1], 1))
-        return cplm_log_probs(lm_logits, q, k, self.cp_head.sink_key, key_ids, self.config.copy_id, allowed,
-                              self.config.copy_gate, self.sink_bias)
+        return {**stats, "copyable": copyable} if token_stats else stats["nll"].mean()
 
 
 # -----------------------------------------------------------------------------------------------------
 # Loss: the CPLM mixture  p(v) = (1 - lam) p_LM(v) + lam p_CP(v),  lam = c (1 - s)
 #   c = p_full(<copy>) from the LM head, s = the sink's share of the CP softmax; all in log space.
-
-
-def cplm_log_probs(lm_logits, q, k, sink_key, key_ids, copy_id, allowed=None, gate="lm", sink_bias=None):
-    """Dense reference of the mixture: log p(v) for every slot, (B, T, Vp) float32, <copy> at -inf.
-    lm_logits (B, T, Vp) after the soft-cap; q (B, T, d) at the T positions scored; k (B, S, d) and
-    key_ids (B, S) at the positions they may copy from; sink_key (d,). allowed (B, T, S) bool says which
-    keys each query sees (every query must see at least one); None: S = T, one document, position t copies
-    from every tau <= t. gate "sentinel": p = s p_vocab + (1 - s) p_ptr, the pointer sentinel (p_vocab the
-    softmax without <copy>), sink_bias added to the sink's score. Builds (T, S) and (T, Vp) tensors: for tests,
-    evaluation and sampling, not for training."""
-    B, T, Vp = lm_logits.shape
-    S = k.size(1)
-    z = lm_logits.float()
-    q, k, sink_key = q.float(), k.float(), sink_key.float()
-    scale = q.size(-1) ** -0.5
-    log_p_full = z.log_softmax(-1)
-    log_c = log_p_full[..., copy_id]
-    log_1mc = torch.logaddexp(log_p_full[..., :copy_id].logsumexp(-1), log_p_full[..., copy_id + 1:].logsumexp(-1))
-    if allowed is None:
-        allowed = torch.ones(T, S, dtype=torch.bool, device=z.device).tril()
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-    a_sink = q @ sink_key * scale + (0 if sink_bias is None else sink_bias.float())
-    lse_all = torch.logaddexp(scores.logsumexp(-1), a_sink)
-    log_s = a_sink - lse_all
-    # copy mass per token: sum of alpha_t(tau) over tau with x_tau = v, computed relative to the row max
-    row_max = scores.amax(-1, keepdim=True)
-    weights = (scores - row_max).exp()
-    mass = torch.zeros_like(z).scatter_add_(-1, key_ids[:, None, :].long().expand(B, T, S), weights)
-    safe_log_mass = torch.where(mass > 0, mass.clamp_min(1e-30).log(), float("-inf"))
-    log_copy = log_c[..., None] + safe_log_mass + row_max - lse_all[..., None]
-    log_1ml = torch.logaddexp(log_1mc, log_c + log_s)
-    log_lm = (log_1ml - log_1mc)[..., None] + log_p_full
-    if gate == "sentinel":  # c = 1: lam = 1 - s, and p_LM is the softmax without <copy>, as in the gated mixture
-        log_copy = safe_log_mass + row_max - lse_all[..., None]
-        log_lm = log_s[..., None] + log_p_full - log_1mc[..., None]
-    out = torch.logaddexp(log_lm, log_copy)
-    return out.index_fill(-1, torch.tensor([copy_id], device=z.device), float("-inf"))
 
 
 def target_in_context(input_ids, target_ids, doc_ids, vocab):
@@ -971,15 +869,11 @@ def vanilla_nll(head_out, target_ids, softcap, reduction="mean"):
 
 
 class VanillaLossCPU(torch.autograd.Function):
-    """vanilla_nll's mean for eager CPU training, bit for bit (loss and gradient, tested), in chunks of rows:
-    the record's loss keeps about five (N, V) float32 tensors alive at once, which at the GPT-2 vocabulary
-    fragmented the CPU heap (peak 3.8-4.6 GB against 1.7). The forward also makes each chunk's gradient for an
-    upstream gradient of 1, while the chunk is in cache; the backward scales it by a power of two (exact: the
-    training loop's 1 / grad_accum) or, for any other upstream gradient, recomputes the chunks. Bit for bit only
-    where V > 4096 (below, the CPU softmax kernels group rows 32 KiB at a time, and a chunk edge inside a group
-    moves the last bit of a row or two; the (N, V) tensors are small there anyway) and where the elementwise
-    kernels' split over threads falls on whole vectors in both (1, 2 and 4 threads at the cpu preset's shapes;
-    with 3, 5 or 6 a few gradient entries can differ in the last bit, ~1e-13)."""
+    """vanilla_nll's mean for eager CPU training in chunks of rows: the record's loss keeps about five (N, V)
+    float32 tensors alive, which fragmented the CPU heap (peak 3.8-4.6 GB against 1.7). The forward makes each
+    chunk's gradient for an upstream 1 while it is in cache; the backward scales it by a power of two (exact)
+    or recomputes. The record's bits (loss and gradient, tested) where V > 4096 (below, the softmax kernels'
+    32 KiB row groups meet chunk edges) and with 1, 2 or 4 threads (3, 5, 6: ~1e-13 in a few entries)."""
 
     @staticmethod
     def forward(ctx, head_out, target_ids, softcap, chunk=32):
@@ -1103,6 +997,50 @@ class LMHeadTermsCPU(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None, None
 
 
+class HeadLoss:
+    """The LM head's part of the loss, from the final hidden states h, as written for inductor to fuse (CUDA, or
+    a compiled CPU run): the record's mean cross-entropy (vanilla training), per-token nll (validation; no
+    float32 (T, V) buffer at 256Ki-token rows) and lm_head_terms (CPLM)."""
+
+    def __init__(self, softcap, copy_id):
+        self.softcap, self.copy_id = softcap, copy_id
+
+    def vanilla_mean(self, lm_head, h, target_ids):
+        return vanilla_nll(lm_head(h), target_ids, self.softcap)
+
+    def vanilla_token_nll(self, lm_head, h, target_ids):
+        lse_without_copy, z_copy, z_y = self.terms(lm_head, h, target_ids)
+        return torch.logaddexp(lse_without_copy, z_copy) - z_y
+
+    def terms(self, lm_head, h, target_ids):
+        return lm_head_terms(lm_head(h), target_ids, self.copy_id, self.softcap)
+
+
+class EagerCPUHeadLoss(HeadLoss):
+    """The same quantities for eager CPU runs, which fuse nothing: in chunks of rows (VanillaLossCPU,
+    LMHeadTermsCPU). Without gradients (validation) the head runs 1024 positions at a time: its (T, V) tensors
+    then fit the holes that training's leave in the heap (use_heap_for_large_tensors), so validation adds
+    nothing to the peak."""
+
+    def vanilla_mean(self, lm_head, h, target_ids):
+        if lm_head.out_features <= 4096:  # VanillaLossCPU is the record's bits only above (and small tensors)
+            return super().vanilla_mean(lm_head, h, target_ids)
+        return VanillaLossCPU.apply(lm_head(h), target_ids, self.softcap)
+
+    def vanilla_token_nll(self, lm_head, h, target_ids):
+        return torch.cat([VanillaLossCPU.token_nll(lm_head(h[:, p]), target_ids[:, p], self.softcap)
+                          for p in self.pieces(h)]).view_as(target_ids)
+
+    def terms(self, lm_head, h, target_ids):
+        pieces = [slice(None)] if torch.is_grad_enabled() else self.pieces(h)
+        return [torch.cat(t, 1) for t in zip(*(
+            LMHeadTermsCPU.apply(lm_head(h[:, p]), target_ids[:, p], self.copy_id, self.softcap) for p in pieces))]
+
+    @staticmethod
+    def pieces(h):
+        return [slice(lo, lo + 1024) for lo in range(0, h.size(1), 1024)]
+
+
 def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_ids, copyable, copy_id,
                          copy_bias=0.0, softcap=0.0, backend="dense", chunk=512, head_terms=None, gate="lm"):
     """The training loss's quantities at the targets only: log p(y_t) of the mixture and the gates, each
@@ -1111,12 +1049,7 @@ def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_i
     (T, V) copy distribution; the dense backend never holds more than a (chunk, T) score block. head_terms:
     lm_head_terms' three outputs computed already (lm_logits is then unused). gate "sentinel": the pointer-
     sentinel mixture, lam = 1 - s, p_LM the softmax without <copy>, copy_bias added to the sink's score."""
-    if head_terms is not None:
-        lse_without_copy, z_copy, z_y = head_terms
-    elif lm_logits.is_cuda or torch.compiler.is_compiling():  # compiled: inductor fuses lm_head_terms' passes
-        lse_without_copy, z_copy, z_y = lm_head_terms(lm_logits, target_ids, copy_id, softcap)
-    else:
-        lse_without_copy, z_copy, z_y = LMHeadTermsCPU.apply(lm_logits, target_ids, copy_id, softcap)
+    lse_without_copy, z_copy, z_y = head_terms or lm_head_terms(lm_logits, target_ids, copy_id, softcap)
     scale = q.size(-1) ** -0.5
     a_sink = (q.float() @ sink_key.float()) * scale  # fp32: the sink competes with every position's score
     if gate == "sentinel":
@@ -1274,153 +1207,6 @@ def window_blocks(step, a: Hyperparameters):
 # Distributed training loop
 
 
-class Logger:
-    """Rank 0 writes logs/<run_id>.txt: the script's source, the environment, then the run's lines. A run that
-    resumes its own checkpoint appends a "resumed" section to its log. A new run writes to a hidden temporary
-    file, which takes the name logs/<run_id>.txt only at start(), after the first validation (with --overwrite,
-    the old run's checkpoints go at this run's first save): a refused or crashed start leaves an earlier run as
-    it was.
-    undo() takes back what a refused run wrote."""
-
-    def __init__(self, a: Hyperparameters, master: bool):
-        self.path = log_path(a) if master else None
-        self.run_folder = os.path.join(a.log_dir, a.run_id)
-        self.resume_folder = os.path.realpath(os.path.dirname(a.resume)) if a.resume else None
-        self.started = False
-        self.size_before = None  # appending: the log's size before this run
-        self.writing = self.path  # where lines go: the log itself, or the temporary file until start()
-        if self.path:
-            appending = continues_own_run(a) and os.path.exists(self.path)
-            if appending:
-                self.size_before = os.path.getsize(self.path)
-            else:
-                self.writing = os.path.join(a.log_dir, f".{a.run_id}.txt.starting{os.getpid()}")
-            text = ("=" * 100 + f"\nresumed from {a.resume}\n") if appending else (
-                open(__file__).read() + "\n" + "=" * 100 + "\n")
-            try:
-                with open(self.writing, "a" if appending else "w") as f:
-                    f.write(text)
-            except OSError as e:
-                self.undo()
-                raise UsageError(f"{self.writing}: cannot write the log ({e.strerror})")
-
-    def __call__(self, line, console=True, console_extra=""):
-        if self.path:
-            if console:
-                print(line + console_extra, flush=True)  # console_extra: on stdout only (an ETA)
-            with open(self.writing, "a") as f:
-                f.write(line + "\n")
-
-    def start(self, overwrite=False):
-        """The run has really started (its first validation is logged): its log takes the run_id's name."""
-        self.started = True
-        if self.path and self.writing != self.path:
-            if overwrite:
-                os.replace(self.writing, self.path)
-            else:  # a link fails if another process took the name meanwhile: nothing is clobbered silently
-                try:
-                    os.link(self.writing, self.path)
-                except FileExistsError:
-                    raise UsageError(f"{self.path} appeared while this run was starting (another run with this "
-                                     f"--run_id?); this run's log is {self.writing}")
-                os.remove(self.writing)
-            self.writing = self.path
-
-    def remove_overwritten_checkpoints(self, keep):
-        """--overwrite: the old run's checkpoints go once this run has saved one (never the resumed folder's)."""
-        if self.path and os.path.isdir(self.run_folder) and os.path.realpath(self.run_folder) != self.resume_folder:
-            for old in glob.glob(os.path.join(glob.escape(self.run_folder), "state_step*.pt")):
-                if old not in keep:
-                    os.remove(old)
-
-    def undo(self, keep_if_new=False):
-        """Takes back what a run that never started wrote. keep_if_new (a crash, not a refusal): a new run's log
-        is kept under the run_id's name when no earlier run has that name."""
-        if not self.path:
-            return
-        if self.writing != self.path:
-            if keep_if_new and os.path.exists(self.writing) and not os.path.exists(self.path):
-                os.replace(self.writing, self.path)
-            elif os.path.exists(self.writing):
-                os.remove(self.writing)
-        elif self.size_before is not None:
-            os.truncate(self.path, self.size_before)
-
-
-def log_path(a: Hyperparameters):
-    return os.path.join(a.log_dir, f"{a.run_id}.txt")
-
-
-def continues_own_run(a: Hyperparameters):
-    """--resume of a checkpoint in logs/<run_id>/ continues that run; from anywhere else it starts a new run
-    (run_id) from the checkpoint's state."""
-    return bool(a.resume) and os.path.realpath(os.path.dirname(a.resume)) == os.path.realpath(
-        os.path.join(a.log_dir, a.run_id))
-
-
-def check_log_target(a: Hyperparameters, writer=True):
-    """Before anything starts: the log directory is writable, and a fresh run does not overwrite another
-    run's log unless asked. writer=False (ranks > 0): the read-only checks, so that every rank refuses at once
-    instead of waiting in the rendezvous for a rank 0 that has gone."""
-    try:
-        if writer:
-            os.makedirs(a.log_dir, exist_ok=True)
-            with open(os.path.join(a.log_dir, f".{a.run_id}.probe"), "w"):
-                pass
-            os.remove(os.path.join(a.log_dir, f".{a.run_id}.probe"))
-    except OSError as e:
-        raise UsageError(f"--log_dir {a.log_dir}: cannot write there ({e.strerror})")
-    checkpoints = os.path.join(a.log_dir, a.run_id)
-    if os.path.exists(checkpoints) and not os.path.isdir(checkpoints):
-        raise UsageError(f"{checkpoints} is a file, but checkpoints go in a folder of that name: choose another --run_id")
-    if os.path.exists(log_path(a)) and not continues_own_run(a) and not a.overwrite:
-        raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume of one of its "
-                         "own checkpoints, or replace it with --overwrite 1")
-    if writer:
-        remove_dead_writers_files([a.log_dir], f".{glob.escape(a.run_id)}.txt.starting*")  # killed before starting
-    if glob.glob(os.path.join(glob.escape(checkpoints), "state_step*.pt")) and not a.resume and not a.overwrite:
-        raise UsageError(f"{checkpoints} holds checkpoints of an earlier run: choose another --run_id, continue it "
-                         "with --resume of one of them, or replace them with --overwrite 1")
-    if continues_own_run(a) and not a.overwrite:  # resuming from an earlier checkpoint would overwrite later ones
-        def step_of(path):
-            m = re.search(r"state_step(\d+)\.pt$", path)
-            return int(m[1]) if m else -1
-        folder = os.path.dirname(a.resume)
-        later = sorted(f for f in glob.glob(os.path.join(glob.escape(folder), "state_step*.pt"))
-                       if step_of(f) > step_of(a.resume) >= 0)
-        if later:
-            raise UsageError(f"{folder} holds checkpoints after this one ({os.path.basename(later[-1])}): resuming "
-                             "from here would replace them; resume the newest, or pass --overwrite 1 to branch")
-
-
-def remove_dead_writers_files(folders, pattern):
-    """Removes the temporary files (named ...<pid> or ...<pid>.tmp) in these folders whose writer is no longer
-    alive on this machine; another process's live ones stay. Returns the removed paths."""
-    removed = []
-    for path in sorted(f for folder in folders for f in glob.glob(os.path.join(glob.escape(folder), pattern))):
-        m = re.search(r"(\d+)(?:\.tmp)?$", path)
-        try:
-            os.kill(int(m[1]), 0)  # a live process's: leave it
-        except (TypeError, ProcessLookupError):
-            os.remove(path)
-            removed.append(path)
-        except PermissionError:
-            pass
-    return removed
-
-
-def environment_lines(device, world_size):
-    lines = [f"python {platform.python_version()} torch {torch.__version__} on {platform.platform()}",
-             f"device: {device} world_size: {world_size} cpu_threads: {torch.get_num_threads()}"]
-    if device.type == "cuda":
-        lines.append(f"gpu: {torch.cuda.get_device_name(device)} cuda {torch.version.cuda}")
-        try:
-            lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout)
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return lines
-
-
 def all_reduce_sum(t: torch.Tensor, world_size):
     if world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -1457,98 +1243,16 @@ def evaluate(model, val_tokens, a: Hyperparameters, window_blocks, rank, world_s
     return out
 
 
-SHAPE_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "no_attention_layer", "cplm", "cp_dim",
-                "cp_optimizer")  # a checkpoint only fits a run that agrees on these
-
-
-def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, written):
-    """Written to a temporary file and renamed, so a crash never leaves half a checkpoint; then only the
-    newest keep_checkpoints of those this run wrote (the list `written`) stay. Another run's are not touched."""
-    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):  # a diverged run: keep the good ones
-        raise DataError(f"step {step}: the weights are not finite (the run diverged); no checkpoint saved over the "
-                        f"good ones (newest: {written[-1] if written else 'none'}); lower the learning rates")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
-                 loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a))
-    state["digest"] = tensor_digest([state["model"], state["optimizers"], checkpoint_scalars(state)])
-    tmp = f"{path}.{os.getpid()}.tmp"  # the writer's pid: a live run's temporary file is never taken for stale
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk: torch's zip writer raises RuntimeError
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:120]
-        raise DataError(f"{path}: cannot save the checkpoint ({reason}); the run stops here, and the previous "
-                        "checkpoint is intact")
-    written.append(path)
-    for old in written[:-a.keep_checkpoints]:
-        if os.path.exists(old):
-            os.remove(old)
-    del written[:-a.keep_checkpoints]
-
-
-def tensor_digest(obj) -> str:
-    """sha256 over every tensor in a nested state (names, dtypes, shapes, bytes): torch's zip reader checks no
-    CRC, so a checkpoint carries this, and a file whose bytes changed is refused instead of resumed."""
-    h = hashlib.sha256()
-
-    def visit(x, name):
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(x, dict):
-            for k in sorted(x, key=str):
-                visit(x[k], f"{name}.{k}")
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                visit(v, f"{name}[{i}]")
-    visit(obj, "")
-    return h.hexdigest()
-
-
-def checkpoint_scalars(state):
-    """What the digest covers beside the tensors: step, clock, loader and settings, as one byte tensor."""
-    text = json.dumps([state["step"], state["training_time_ms"], state["loader"], state["hyperparameters"]],
-                      sort_keys=True, default=str)
-    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-
-
-def read_checkpoint(a: Hyperparameters, device):
-    """The checkpoint to resume from, refused in one line when it is unreadable or its bytes changed since it
-    was saved (checkpoints written before the digest existed are read unverified)."""
-    try:
-        state = torch.load(a.resume, map_location=device, weights_only=True)
-        saved = state["hyperparameters"]
-        assert isinstance(saved, dict) and isinstance(state["step"], int) and isinstance(state["model"], dict)
-        assert len(state["optimizers"]) == 2 and isinstance(state["loader"]["position"], int)
-        assert float(state["training_time_ms"]) >= 0
-    except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
-        raise DataError(f"--resume {a.resume}: not a readable checkpoint of this script "
-                        f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
-    saved_digest = state.get("digest")
-    if saved_digest and tensor_digest([state["model"], state["optimizers"], checkpoint_scalars(state)]) != saved_digest:
-        raise DataError(f"--resume {a.resume}: its tensors do not match the digest saved with them: the file is "
-                        "corrupted; resume from an earlier checkpoint")
-    return state
-
-
 def settings_on_resume(a: Hyperparameters, saved: dict):
     """The checkpoint's settings for every field not given on this command line; the given ones that differ
-    from the checkpoint's, as lines for the log ("--batch_size 2048 -> 4096")."""
+    from the checkpoint's, as lines for the log ("--batch_size 2048 -> 4096"). Flags that only set the initial
+    weights are ignored: the weights come from the checkpoint."""
     names = [f.name for f in dataclasses.fields(Hyperparameters) if f.name not in INVOCATION_FIELDS]
-    a = dataclasses.replace(a, **{f: saved[f] for f in names if f in saved and f not in FLAGS_GIVEN})
-    return a, [f"--{f} {saved[f]!r} -> {getattr(a, f)!r}" for f in names
-               if f in saved and f in FLAGS_GIVEN and saved[f] != getattr(a, f)]
-
-
-def check_checkpoint_fits(a: Hyperparameters, state):
-    """A checkpoint fits only a model of the same shape and mode."""
-    saved = state["hyperparameters"]
-    differ = [f"{f} {saved.get(f)!r} -> {getattr(a, f)!r}" for f in SHAPE_FIELDS if saved.get(f) != getattr(a, f)]
-    if differ:
-        raise DataError(f"--resume {a.resume}: the checkpoint's model differs from this run's: {', '.join(differ)}")
+    kept = {f: saved[f] for f in names if f in saved and (f not in FLAGS_GIVEN or f in ("seed", "copy_gate_init"))}
+    lines = [f"--{f} {getattr(a, f)!r} ignored (the checkpoint's weights are loaded)" if f in kept else
+             f"--{f} {saved[f]!r} -> {getattr(a, f)!r}"
+             for f in names if f in saved and f in FLAGS_GIVEN and saved[f] != getattr(a, f)]
+    return dataclasses.replace(a, **kept), lines
 
 
 def use_heap_for_large_tensors():
@@ -1569,17 +1273,6 @@ def fp8_available(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def take_gpu_turn():
-    """tools/first_call.py runs jobs that compile side by side and time in turn: with CPLM_GPU_TURN set,
-    waits for that file lock and returns it held (released when closed or the process ends); else None."""
-    if not os.environ.get("CPLM_GPU_TURN"):
-        return None
-    import fcntl
-    turn = open(os.environ["CPLM_GPU_TURN"], "a")
-    fcntl.flock(turn, fcntl.LOCK_EX)
-    return turn
-
-
 def _terminate(signum, frame):  # a scheduler's SIGTERM ends the run through the log's "stopped:" line
     raise SystemExit(f"stopped by signal {signal.Signals(signum).name}")
 
@@ -1587,8 +1280,16 @@ def _terminate(signum, frame):  # a scheduler's SIGTERM ends the run through the
 def main(argv=None):
     a = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    if a.resume and not a.run_id:  # continue the checkpoint's own run: logs/<run_id>/state_stepN.pt
-        a.run_id = os.path.basename(os.path.dirname(os.path.abspath(a.resume)))
+    checkpoint, changed = None, []
+    if a.resume:  # a resumed run continues with its checkpoint's settings; flags given now win, each one listed
+        if not a.run_id:  # the checkpoint's own run, <log_dir>/<run_id>/state_stepN.pt, wherever that log_dir is
+            run_folder = os.path.realpath(os.path.dirname(a.resume))
+            a.run_id = os.path.basename(run_folder)
+            elsewhere = os.path.dirname(run_folder) != os.path.realpath(a.log_dir)
+            if "log_dir" not in FLAGS_GIVEN and elsewhere and os.path.exists(f"{run_folder}.txt"):  # its own log
+                a.log_dir = os.path.dirname(run_folder)
+        checkpoint = read_checkpoint(a.resume, "cpu")
+        a, changed = settings_on_resume(a, checkpoint["hyperparameters"])
         check_args(a)
     a.run_id = a.run_id or str(uuid.uuid4())
     # distributed set-up: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
@@ -1610,15 +1311,15 @@ def main(argv=None):
     if (a.batch_size // a.seq_len) % world_size:
         raise UsageError(f"--batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not divisible by "
                          f"{world_size} processes")
-    check_log_target(a, writer=rank == 0)
+    run_lock = check_log_target(a, writer=rank == 0)
     if distributed:  # a rank that stops answering ends the job after dist_timeout_s instead of hanging it
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None,
                                 timeout=datetime.timedelta(seconds=a.dist_timeout_s))
     master = rank == 0
-    log = Logger(a, master)
+    log = Logger(a, master, sources=(__file__, run_files.__file__))
     try:
-        code = train(a, log, rank, world_size, device)
+        code = train(a, log, rank, world_size, device, checkpoint, changed)
         if not log.started:  # stopped at its first validation (a NaN): its log stays only where none was
             log.undo(keep_if_new=True)
         if distributed:  # no rank tears its connections down while another still uses them (gloo aborted
@@ -1640,22 +1341,16 @@ def main(argv=None):
     finally:
         if distributed:
             dist.destroy_process_group()
+        if run_lock is not None:
+            run_lock.close()
 
 
-def train(a: Hyperparameters, log, rank, world_size, device):
+def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, changed=()):
     for line in environment_lines(device, world_size):
         log(line, console=False)
     log(f"run_id: {a.run_id}")
     if log.path:
         print(f"log: {log.path}", flush=True)  # stdout only
-    checkpoint, changed = None, []
-    if a.resume:  # a resumed run continues with its checkpoint's settings; flags given now win, each one listed
-        checkpoint = read_checkpoint(a, device)
-        a, changed = settings_on_resume(a, checkpoint["hyperparameters"])
-        check_args(a)  # the merged settings must make a run here too (another world size, another device)
-        if (a.batch_size // a.seq_len) % world_size:
-            raise UsageError(f"the checkpoint's --batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not "
-                             f"divisible by {world_size} processes: pass --batch_size")
     # data first: every shard is checked (header, size, token ids) before any model is built
     a = resolve_vocabulary(a)
     loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size, a.bos_id, a.data_seed)
@@ -1681,6 +1376,8 @@ def train(a: Hyperparameters, log, rank, world_size, device):
         torch._inductor.config.coordinate_descent_tuning = True  # as the record: a longer compile, faster kernels
     torch.manual_seed(a.seed)
     model = GPT(GPTConfig.from_args(a, fp8_head=int(fp8_head))).to(device)
+    if compile_model:  # inductor fuses the head's (N, V) passes: the loss written for it, on a CPU too
+        model.head_loss = HeadLoss(a.logit_softcap, model.config.copy_id)
     if device.type == "cuda":  # bf16 embeddings make the whole forward pass bf16; weights of linears stay fp32
         for m in model.modules():
             if isinstance(m, nn.Embedding):
@@ -1738,7 +1435,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
     # state (so no kernel compiles while the clock runs; the record instead restarts its clock at step 10)
     if a.warmup_steps > 0:
         initial = dict(model={k: v.clone() for k, v in model.state_dict().items()},
-                       optimizers=[clone_state(o.state_dict()) for o in optimizers])
+                       optimizers=[copy.deepcopy(o.state_dict()) for o in optimizers])
         for step in range(a.warmup_steps):
             train_step(step)
         if a.val_tokens > 0:  # --val_tokens 0 (a timing run): no evaluation graph to compile
@@ -1753,19 +1450,7 @@ def train(a: Hyperparameters, log, rank, world_size, device):
 
     start_step, training_time_ms = 0, 0.0
     if checkpoint is not None:  # the clock and the schedule continue where they stopped
-        command_line_lrs = [[g["initial_lr"] for g in opt.param_groups] for opt in optimizers]
-        try:
-            model.load_state_dict(checkpoint["model"])
-            for opt, opt_state in zip(optimizers, checkpoint["optimizers"]):
-                opt.load_state_dict(opt_state)  # this would bring back the checkpoint's learning rates...
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise DataError(f"--resume {a.resume}: its weights or optimizer states do not fit this model "
-                            f"({str(e).splitlines()[0][:200]})")
-        for opt, lrs in zip(optimizers, command_line_lrs):
-            for group, lr in zip(opt.param_groups, lrs):
-                group["initial_lr"] = lr  # ...but this run's are the ones it asked for
-        loader.set_state(checkpoint["loader"])
-        start_step, training_time_ms = checkpoint["step"], checkpoint["training_time_ms"]
+        start_step, training_time_ms = restore_checkpoint(checkpoint, model, optimizers, loader, a.resume)
         log(("continuing" if log.size_before is not None else f"resumed from {a.resume}")
             + f" at step {start_step}, train_time {training_time_ms:.0f}ms"
             + (f"; changed on the command line: {', '.join(changed)}" if changed else "; every setting as saved"))
@@ -1885,17 +1570,6 @@ def reduce_gradients(params, world_size) -> PendingReductions:
     nccl = dist.get_backend() == "nccl"
     op = dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM
     return PendingReductions({p: dist.all_reduce(p.grad, op=op, async_op=True) for p in params}, world_size, not nccl)
-
-
-def clone_state(state):
-    """A deep copy of an optimizer state dict (tensors cloned)."""
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: clone_state(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [clone_state(v) for v in state]
-    return state
 
 
 if __name__ == "__main__":

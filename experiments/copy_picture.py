@@ -72,7 +72,7 @@ def copy_trace(model: tg.GPT, ids, window_blocks=None) -> dict:
     lam = c * (1 - s)
     source = alpha[:, :-1].argmax(-1)
     # the mixture's probability of the actual next token, and the copy path's part of it
-    log_p = model.mixture_log_probs(model.lm_logits(h), q, k, x)[0]
+    log_p = inference.mixture_log_probs(model, model.lm_logits(h), q, k, x)[0]
     nxt = x[0, 1:]
     p_y = log_p[:-1].gather(-1, nxt[:, None])[:, 0].exp()
     same = x[0][None, :] == nxt[:, None]  # (T - 1, T): key tau holds the next token

@@ -13,7 +13,7 @@ Tasks (each sequence is one document, generated on the fly from a seeded generat
   span    [BOS, r_1, r_2, ...]: distinct random tokens, except that one span of 4-16 of them recurs later in the
           row; the copy positions are the recurrence's tokens after its first one.
 The metric is next-token argmax accuracy on the copy positions of held-out sequences, from the full next-token
-distribution (`GPT.next_token_log_probs`: the CPLM mixture through the dense reference, or the LM softmax in
+distribution (`inference.next_token_log_probs`: the CPLM mixture through the dense reference, or the LM softmax in
 vanilla mode). Both modes get the same model (train_gpt_cplm.GPT, 2 layers), data, steps, batch, optimizers
 (`build_optimizers`, `lr_multiplier`, the training script's learning rates) and the gate starting closed
 (`copy_gate_init` 0: c = 1/padded V, the paper's start). Every run reports its accuracy at step 0 beside the final
@@ -67,6 +67,7 @@ import torch
 
 from cli import OneLineParser  # experiments/cli.py: also puts the repository root on sys.path
 
+import inference  # noqa: E402
 import train_gpt_cplm as tg  # noqa: E402
 
 TASKS = ("repeat", "lookup", "span")
@@ -223,7 +224,7 @@ def evaluate(model, inputs, targets, copy_mask, seen=None, rows_per_chunk=None):
     sums = {}
     for lo in range(0, inputs.size(0), rows_per_chunk):
         x, y, m = (t[lo:lo + rows_per_chunk] for t in (inputs, targets, copy_mask))
-        log_p = model.next_token_log_probs(x)
+        log_p = inference.next_token_log_probs(model, x)
         pred = log_p[..., :vocab].argmax(-1)  # the tokenizer's ids only: never <copy> or padding
         del log_p
         correct += int((pred == y)[m].sum())

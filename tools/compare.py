@@ -54,6 +54,7 @@ RE_TRAIN = re.compile(  # train_loss is optional: a step without --train_loss_ev
 )
 RE_STEP_KV = re.compile(r"^step:(\d+)/(\d+) ((?:[A-Za-z_]\w*:\S+)(?: [A-Za-z_]\w*:\S+)*)\s*$")
 RE_STOPPED = re.compile(r"^stopped:(.*)$")
+RE_RESUMED_AT = re.compile(r"^(?:continuing|resumed from .*) at step (\d+), train_time")
 RE_PEAK_MEM = re.compile(r"^peak memory allocated: (\d+) MiB(?: reserved: (\d+) MiB)?")
 
 
@@ -100,8 +101,8 @@ def parse_log(path):
         raise LogError(f"cannot read {path}: {e.strerror or e}") from None
 
     # The source code comes first, up to a line of "=": nothing in it is a measurement. A resumed run adds
-    # sections (each from its own hyperparameters line); a step logged again after a resume replaces the
-    # earlier value, and the last section's hyperparameters and stop reason count.
+    # sections (each from its own hyperparameters line); a resume at step N cuts what an earlier section logged
+    # after N (a branch abandoned by --overwrite), and the last section's hyperparameters and stop reason count.
     separator = next((i for i, line in enumerate(lines) if len(line) >= 10 and set(line) == {"="}), None)
     if separator is None:  # no separator: trust only what follows the last hyperparameters line
         separator = max([i for i, line in enumerate(lines) if _hparams_of(line) is not None], default=0) - 1
@@ -120,6 +121,12 @@ def parse_log(path):
         m = RE_RUN_ID.match(line)
         if m:
             run_id = m.group(1)
+            continue
+        m = RE_RESUMED_AT.match(line)
+        if m:
+            for logged in by_step.values():
+                for step in [s for s in logged if s > int(m.group(1))]:
+                    del logged[step]
             continue
         if not line.startswith(("step:", "stopped:", "peak memory")):
             continue

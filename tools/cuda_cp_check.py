@@ -15,6 +15,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import inference  # noqa: E402
 import train_gpt_cplm as tg  # noqa: E402
 
 BOS, COPY_ID, VP, CAP = 50256, 50257, 50304, 15.0
@@ -47,8 +48,8 @@ def reference(u, q, k, sink, bias, ids, targets):
     starts = (ids[0] == BOS).nonzero()[:, 0].tolist() + [ids.size(1)]
     parts = []
     for lo, hi in zip(starts, starts[1:]):
-        log_p = tg.cplm_log_probs(z[:, lo:hi], q[:, lo:hi].float(), k[:, lo:hi].float(), sink.float(),
-                                  ids[:, lo:hi], COPY_ID)
+        log_p = inference.cplm_log_probs(z[:, lo:hi], q[:, lo:hi].float(), k[:, lo:hi].float(), sink.float(),
+                                         ids[:, lo:hi], COPY_ID)
         parts.append(log_p.gather(-1, targets[:, lo:hi, None])[..., 0])
     return torch.cat(parts, 1)
 

@@ -379,6 +379,7 @@ def cuda_path_model(cplm, max_seq_len, **config):
     torch.manual_seed(0)
     model = tg.GPT(tg.GPTConfig(fp8_head=1, cplm=cplm, max_seq_len=max_seq_len, **config))
     model.attention_backend = model.cp_backend = "flex"
+    model.head_loss = tg.HeadLoss(model.config.logit_softcap, model.config.copy_id)
     for m in model.modules():  # as on CUDA: bf16 embeddings make the activations bf16
         if isinstance(m, torch.nn.Embedding):
             m.bfloat16()
