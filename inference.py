@@ -9,8 +9,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from train_gpt_cplm import (ATTN_SCALE, BLOCK, CausalSelfAttention, DataError, GPT, GPTConfig, Hyperparameters,
-                            Rotary, norm, read_checkpoint)
+from train_gpt_cplm import (ATTN_SCALE, BLOCK, CausalSelfAttention, DataError, EagerCPUHeadLoss, GPT, GPTConfig,
+                            Hyperparameters, Rotary, norm, read_checkpoint)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -49,6 +49,15 @@ def load_model(path, device="cpu", max_seq_len=0):
         raise DataError(f"{path}: its weights do not fit the model its hyperparameters describe "
                         f"({str(e).splitlines()[0][:200]})")
     return model.eval(), a, step
+
+
+def use_dense_paths(model: GPT) -> GPT:
+    """The CPU's paths on any machine (SDPA, dense CP sums 512 queries at a time, the row-chunked head loss): for
+    studies that run on the CPU where torch also sees a GPU (the model picks its paths by torch.cuda)."""
+    model.attention_backend = model.cp_backend = "dense"
+    model.cp_chunk = model.config.cp_chunk or 512
+    model.head_loss = EagerCPUHeadLoss(model.config.logit_softcap, model.config.copy_id)
+    return model
 
 
 # -----------------------------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ class Logger:
             else:
                 self.writing = os.path.join(a.log_dir, f".{a.run_id}.txt.starting{os.getpid()}")
             text = ("=" * 100 + f"\nresumed from {a.resume}\n") if appending else (
-                "".join(open(path).read() + "\n" for path in sources) + "=" * 100 + "\n")
+                "".join((f"# ---- {os.path.basename(path)}\n" if i else "") + read_text(path) + "\n"
+                        for i, path in enumerate(sources)) + "=" * 100 + "\n")
             try:
                 with open(self.writing, "a" if appending else "w") as f:
                     f.write(text)
@@ -83,7 +84,7 @@ class Logger:
         an earlier checkpoint, those after that one (the branch it abandoned)."""
         own = os.path.realpath(self.run_folder) == self.resume_folder
         for old in glob.glob(os.path.join(glob.escape(self.run_folder), "state_step*.pt")) if self.path else []:
-            if old not in keep and (not own or checkpoint_step(old) > self.resume_step):
+            if old not in keep and (not own or 0 <= self.resume_step < checkpoint_step(old)):
                 os.remove(old)
 
     def undo(self, keep_if_new=False):
@@ -113,7 +114,8 @@ def continues_own_run(a):
 
 def check_log_target(a, writer=True):
     """Before anything starts: the log directory is writable, and a fresh run does not overwrite another
-    run's log unless asked; then the run's lock (returned, to close at the end). writer=False (ranks > 0): the
+    run's log unless asked; then the run's lock (returned, to close at the end; None while another process holds
+    it, and always for writer=False). writer=False (ranks > 0): the
     read-only checks, so that every rank refuses at once instead of waiting in the rendezvous for a rank 0 that
     has gone."""
     try:
@@ -146,12 +148,16 @@ def check_log_target(a, writer=True):
     run_lock = open(os.path.join(a.log_dir, f".{a.run_id}.lock"), "a")  # one process per run_id, fresh or resumed:
     try:  # held until the run ends (released by the kernel if it is killed)
         fcntl.flock(run_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except BlockingIOError:  # another process's run: main refuses on every rank at once
         run_lock.close()
-        raise UsageError(f"run {a.run_id} is training in another process on this machine: wait for it to end, or "
-                         "choose another --run_id")
+        return None
     remove_dead_writers_files([a.log_dir], f".{glob.escape(a.run_id)}.txt.starting*")  # killed before starting
     return run_lock
+
+
+def read_text(path):
+    with open(path) as f:
+        return f.read()
 
 
 def checkpoint_step(path):

@@ -175,7 +175,7 @@ def test_cli_scores_both_modes_and_tunes_the_cache_on_the_tuning_slice_only(tmp_
     assert vanilla["test"]["tokens"] >= 600 and vanilla["test"]["tokens"] == cplm["test"]["tokens"]
     # the tuned pair is the best on the tuning slice: scoring the tuning slice with every pair agrees
     model = ts.inference.load_model(str(paths[0]))[0]
-    model.attention_backend = "dense"
+    ts.inference.use_dense_paths(model)
     hp = ts.inference.read_model_checkpoint(str(paths[0]))[0]
     tuning, _, _ = ts.slices(hp, 400, 600)
     sums = ts.score(model, hp, 2, tuning, with_cache=True)

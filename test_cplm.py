@@ -458,6 +458,25 @@ def test_vanilla_cpu_training_uses_the_lean_loss_and_keeps_the_record_gradient()
         assert torch.equal(model(ids[:, :-1], ids[:, 1:]), record)
 
 
+def test_cpu_evaluation_in_pieces_keeps_each_token_in_place():
+    """Eager CPU evaluation runs the head 1024 positions at a time: with two rows of 1100 tokens each token's
+    loss must land at its own (row, position), as the whole-row loss puts it (a review found the pieces
+    flattened and concatenated before the reshape, which mixed the rows)."""
+    torch.manual_seed(0)
+    for cplm in (0, 1):
+        model = tg.GPT(tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=2, model_dim=32, num_heads=2,
+                                    max_seq_len=2048, cplm=cplm)).eval()
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0, 0.05)
+        ids = torch.tensor([toy_corpus(1101, 5), toy_corpus(1101, 6)])
+        assert isinstance(model.head_loss, tg.EagerCPUHeadLoss)
+        with torch.no_grad():
+            pieces = model(ids[:, :-1], ids[:, 1:], token_stats=True)["nll"]
+            model.head_loss = tg.HeadLoss(model.config.logit_softcap, model.config.copy_id)
+            whole = model(ids[:, :-1], ids[:, 1:], token_stats=True)["nll"]
+        torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
+
+
 def test_packed_documents_equal_separate_rows():
     """Two documents packed in one row give the same log p and gradients as the two as separate rows."""
     bos = 5
@@ -946,6 +965,11 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     # into the new log (copied aside first: the checks below still need one)
     shutil.copy(ckpt, tmp_path / "kept.pt")
     ckpt = tmp_path / "kept.pt"
+    # --keep_checkpoints counts the run's checkpoints, not one process's: continuing it to step 8 rotates 5 and 6 out
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=tmp_path / "full" / "state_step000006.pt",
+                           num_iterations=8, val_loss_every=0))
+    assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "full").iterdir()) == [
+        "state_step000007.pt", "state_step000008.pt"], r.stderr[-2000:]
     r = run_cli(tiny_flags(toy_data, tmp_path, run_id="full", overwrite=1, num_iterations=3, checkpoint_every=1,
                            keep_checkpoints=2, val_loss_every=0))
     assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "full").iterdir()) == [
@@ -1070,6 +1094,14 @@ def test_a_refused_start_under_torchrun_ends_at_once(toy_data, tmp_path):
     t0 = time.monotonic()
     r = run_cli(tiny_flags(toy_data, tmp_path, num_iterations=0), nproc=2)
     assert r.returncode != 0 and r.stderr.count("run.txt exists") == 1, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 25
+    # the same for the run's lock, which only rank 0 takes: every rank hears of the refusal after the rendezvous
+    import fcntl
+    with open(tmp_path / ".other.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        r = run_cli(tiny_flags(toy_data, tmp_path, num_iterations=0, run_id="other"), nproc=2)
+    assert r.returncode != 0 and r.stderr.count("is training in another process") == 1, r.stderr[-2000:]
     assert time.monotonic() - t0 < 25
 
 
@@ -2270,9 +2302,10 @@ def test_one_process_per_run_id(tmp_path):
     flags = ["--preset", "cpu", "--log_dir", str(tmp_path), "--run_id", "run"]
     with open(tmp_path / ".run.lock", "a") as held:  # another process's run
         fcntl.flock(held, fcntl.LOCK_EX)
+        assert tg.check_log_target(tg.parse_args(flags)) is None  # not taken: main refuses, on every rank
         with pytest.raises(tg.UsageError, match="run run is training in another process"):
-            tg.check_log_target(tg.parse_args(flags))
-        assert tg.check_log_target(tg.parse_args(flags), writer=False) is None  # ranks > 0 take no lock
+            tg.main(flags)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".run.lock"]  # nothing written
     tg.check_log_target(tg.parse_args(flags)).close()
 
 
@@ -2287,6 +2320,19 @@ def test_resume_checks_flags_against_the_checkpoints_settings(tmp_path, monkeypa
     assert (merged.batch_size, merged.seq_len, merged.cplm, merged.copy_gate_init) == (4096, 4096, 1, 0.0)
     assert changed == ["--seq_len 1024 -> 4096",
                        "--copy_gate_init 0.5 ignored (the checkpoint's weights are loaded)"]
+
+
+def test_data_scripts_refuse_what_would_fail_later(capsys):
+    """Hostile tester's minors: `cached_fineweb10B.py 1000000000` ended in a MemoryError (a list of a billion
+    names); a corpus named c_val made c_val_*.bin (its val glob) match its train shards too."""
+    for bad in (["1000000000"], ["0"]):
+        with pytest.raises(SystemExit) as e:
+            dl.parse_args(bad)
+        assert e.value.code == 2 and "1..103" in capsys.readouterr().err
+    assert dl.parse_args(["103"]).num_train == 103
+    with pytest.raises(SystemExit) as e:
+        tc.main(["x.txt", "--out_dir", "o", "--name", "c_val"])
+    assert e.value.code == 2 and "ends in _val or _train" in capsys.readouterr().err
 
 
 def test_run_sh_test_runs_every_test_file_and_shows_skip_reasons(tmp_path):
@@ -2349,6 +2395,12 @@ def test_compare_bad_target_and_unwritable_plot_are_one_line(tmp_path, monkeypat
     monkeypatch.setattr(compare, "plot_groups", cannot_write)
     assert compare.main([str(log), "--plot", str(tmp_path / "no" / "such" / "dir.png")]) == 1
     assert_one_line(capsys.readouterr().err, "dir.png")
+    # a hostile tester's: --plot x.xyz was matplotlib's traceback, and --plot curves said "curves" for curves.png
+    assert compare.main([str(log), "--plot", str(tmp_path / "x.xyz")]) == 2
+    assert_one_line(capsys.readouterr().err, "x.xyz", "png")
+    monkeypatch.setattr(compare, "plot_groups", lambda groups, target, out_path: None)
+    assert compare.main([str(log), "--plot", str(tmp_path / "curves")]) == 0
+    assert f"plot written to {tmp_path / 'curves.png'}" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------------

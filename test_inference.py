@@ -333,7 +333,12 @@ def test_sample_prints_the_prompt_and_generates_continuation(checkpoints, capsys
     r = run_script("sample", path.parent / "missing.pt", "--prompt", "x", capsys=capsys)
     assert r.returncode == 1
     assert_one_line(r.stderr, "missing.pt", "no such checkpoint")
-    # a hostile tester's: NaN temperature and a prompt of bytes that are not UTF-8 were tracebacks
+    # a hostile tester's: NaN temperature, a seed past 64 bits, a huge --max_new_tokens (a rotary table of that
+    # length) and a prompt of bytes that are not UTF-8 were tracebacks
+    for flag, value in (("--seed", 10 ** 23), ("--max_new_tokens", 10 ** 9)):
+        r = run_script("sample", path, "--prompt", "x", flag, value, capsys=capsys)
+        assert r.returncode == 2
+        assert_one_line(r.stderr, flag)
     for temperature in ("nan", "inf"):
         r = run_script("sample", path, "--prompt", "x", "--temperature", temperature, capsys=capsys)
         assert r.returncode == 2

@@ -39,9 +39,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 import run_files
-from run_files import (DataError, Logger, UsageError, check_checkpoint_fits, check_log_target, read_checkpoint,
-                       environment_lines, remove_dead_writers_files, restore_checkpoint, save_checkpoint,
-                       take_gpu_turn)
+from run_files import (DataError, Logger, UsageError, check_checkpoint_fits, check_log_target, checkpoint_step,
+                       environment_lines, read_checkpoint, remove_dead_writers_files, restore_checkpoint,
+                       save_checkpoint, take_gpu_turn)
 
 # -----------------------------------------------------------------------------------------------------
 # Config
@@ -109,7 +109,7 @@ class Hyperparameters:
     save_checkpoint: int = 0  # 1: save one at the end
     keep_checkpoints: int = 3  # checkpoints kept per run; older ones are deleted
     resume: str = ""  # path of a checkpoint to continue from (its log, same run_id, gets a "resumed" section)
-    overwrite: int = 0  # 1: a fresh run may replace the log of an earlier run with the same run_id
+    overwrite: int = 0  # 1: a fresh run may replace an earlier run of its run_id; a resume, drop its later steps
 
 
 PRESETS = {
@@ -765,11 +765,11 @@ class GPT(nn.Module):
         if self.cp_head is None:
             stats = {"nll": self.head_loss.vanilla_token_nll(self.lm_head, h, target_ids)}
         else:
+            head_terms = self.head_loss.terms(self.lm_head, h, target_ids)  # first: h's gradients sum in one order
             q, k, sink_key = self.cp_head(h.detach() if self.config.cp_stop_grad else h)
             stats = cplm_target_log_prob(None, q, k, sink_key, input_ids, target_ids, doc_ids, copyable,
                                          self.config.copy_id, self.gate_bias, backend=self.cp_backend,
-                                         chunk=self.cp_chunk, gate=self.config.copy_gate,
-                                         head_terms=self.head_loss.terms(self.lm_head, h, target_ids))
+                                         chunk=self.cp_chunk, gate=self.config.copy_gate, head_terms=head_terms)
             stats["nll"] = -stats.pop("log_p")
         return {**stats, "copyable": copyable} if token_stats else stats["nll"].mean()
 
@@ -1028,8 +1028,8 @@ class EagerCPUHeadLoss(HeadLoss):
         return VanillaLossCPU.apply(lm_head(h), target_ids, self.softcap)
 
     def vanilla_token_nll(self, lm_head, h, target_ids):
-        return torch.cat([VanillaLossCPU.token_nll(lm_head(h[:, p]), target_ids[:, p], self.softcap)
-                          for p in self.pieces(h)]).view_as(target_ids)
+        return torch.cat([VanillaLossCPU.token_nll(lm_head(h[:, p]), target_ids[:, p], self.softcap).view_as(
+            target_ids[:, p]) for p in self.pieces(h)], 1)
 
     def terms(self, lm_head, h, target_ids):
         pieces = [slice(None)] if torch.is_grad_enabled() else self.pieces(h)
@@ -1282,6 +1282,8 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, _terminate)
     checkpoint, changed = None, []
     if a.resume:  # a resumed run continues with its checkpoint's settings; flags given now win, each one listed
+        if not os.path.isfile(a.resume):
+            raise UsageError(f"--resume: no such checkpoint file: {a.resume}")
         if not a.run_id:  # the checkpoint's own run, <log_dir>/<run_id>/state_stepN.pt, wherever that log_dir is
             run_folder = os.path.realpath(os.path.dirname(a.resume))
             a.run_id = os.path.basename(run_folder)
@@ -1311,35 +1313,43 @@ def main(argv=None):
     if (a.batch_size // a.seq_len) % world_size:
         raise UsageError(f"--batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not divisible by "
                          f"{world_size} processes")
-    run_lock = check_log_target(a, writer=rank == 0)
-    if distributed:  # a rank that stops answering ends the job after dist_timeout_s instead of hanging it
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None,
-                                timeout=datetime.timedelta(seconds=a.dist_timeout_s))
-    master = rank == 0
-    log = Logger(a, master, sources=(__file__, run_files.__file__))
+    run_lock = check_log_target(a, writer=rank == 0)  # rank 0: the run's lock; None where another process has it
     try:
-        code = train(a, log, rank, world_size, device, checkpoint, changed)
-        if not log.started:  # stopped at its first validation (a NaN): its log stays only where none was
-            log.undo(keep_if_new=True)
-        if distributed:  # no rank tears its connections down while another still uses them (gloo aborted
-            dist.barrier()  # a finished job now and then: "terminate called without an active exception")
-        return code
-    except (UsageError, DataError):
-        if not log.started:  # refused before the first step: leave no trace in the logs
-            log.undo()
-        else:
-            with contextlib.suppress(OSError):  # a full disk: the one line that says why still reaches stderr
-                log(f"stopped: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}", console=False)
-        raise
-    except BaseException as e:  # the log ends with why it stopped
-        with contextlib.suppress(OSError):
-            log(f"stopped: {type(e).__name__}: {e}", console=False)
-        if not log.started:
-            log.undo(keep_if_new=True)  # an earlier run's log stays as it was
-        raise
+        if distributed:  # a rank that stops answering ends the job after dist_timeout_s instead of hanging it
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                    device_id=device if device.type == "cuda" else None,
+                                    timeout=datetime.timedelta(seconds=a.dist_timeout_s))
+        refused = rank == 0 and run_lock is None
+        if distributed:  # every rank refuses together: none waits in a collective for a rank 0 that has gone
+            flag = torch.tensor(int(refused), device=device)
+            dist.all_reduce(flag)
+            refused = bool(flag.item())
+        if refused:
+            raise UsageError(f"run {a.run_id} is training in another process on this machine: wait for it to end, "
+                             "or choose another --run_id")
+        log = Logger(a, rank == 0, sources=(__file__, run_files.__file__))
+        try:
+            code = train(a, log, rank, world_size, device, checkpoint, changed)
+            if not log.started:  # stopped at its first validation (a NaN): its log stays only where none was
+                log.undo(keep_if_new=True)
+            if distributed:  # no rank tears its connections down while another still uses them (gloo aborted
+                dist.barrier()  # a finished job now and then: "terminate called without an active exception")
+            return code
+        except (UsageError, DataError):
+            if not log.started:  # refused before the first step: leave no trace in the logs
+                log.undo()
+            else:
+                with contextlib.suppress(OSError):  # a full disk: the one line that says why still reaches stderr
+                    log(f"stopped: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}", console=False)
+            raise
+        except BaseException as e:  # the log ends with why it stopped
+            with contextlib.suppress(OSError):
+                log(f"stopped: {type(e).__name__}: {e}", console=False)
+            if not log.started:
+                log.undo(keep_if_new=True)  # an earlier run's log stays as it was
+            raise
     finally:
-        if distributed:
+        if distributed and dist.is_initialized():
             dist.destroy_process_group()
         if run_lock is not None:
             run_lock.close()
@@ -1349,8 +1359,6 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
     for line in environment_lines(device, world_size):
         log(line, console=False)
     log(f"run_id: {a.run_id}")
-    if log.path:
-        print(f"log: {log.path}", flush=True)  # stdout only
     # data first: every shard is checked (header, size, token ids) before any model is built
     a = resolve_vocabulary(a)
     loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size, a.bos_id, a.data_seed)
@@ -1367,6 +1375,8 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
         log(f"nothing to train: the checkpoint is at step {checkpoint['step']}, --num_iterations is {a.num_iterations}")
         return 0
     log(f"hyperparameters: {json.dumps(dataclasses.asdict(a))}")
+    if log.path:  # past the data checks, which refuse a run before it has a log
+        print(f"log: {log.path}", flush=True)  # stdout only
 
     fp8_head = a.fp8_head == 1 or (a.fp8_head == -1 and fp8_available(device))
     if a.fp8_head == -1 and device.type == "cuda" and not fp8_head:
@@ -1458,7 +1468,9 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
     def checkpoint_path(step):
         return os.path.join(a.log_dir, a.run_id, f"state_step{step:06d}.pt")
 
-    written = []  # the checkpoints this run saved, newest last: the ones --keep_checkpoints rotates
+    # the checkpoints --keep_checkpoints rotates, newest last: this run's, and a continued run's up to its resume
+    written = [] if log.size_before is None else sorted((p for p in glob.glob(os.path.join(glob.escape(
+        a.log_dir), glob.escape(a.run_id), "state_step*.pt")) if checkpoint_step(p) <= start_step), key=checkpoint_step)
 
     def synchronize():
         if device.type == "cuda":
@@ -1509,7 +1521,7 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
             training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops while saving, and is saved
             save_checkpoint(checkpoint_path(step), model, optimizers, step, loader, training_time_ms, a, written)
             log(f"saved checkpoint {checkpoint_path(step)}")
-            if a.overwrite and len(written) == 1:  # this run has a checkpoint: the old run's others go now
+            if a.overwrite:  # this run has a checkpoint: the old run's others go (all found at the first save)
                 log.remove_overwritten_checkpoints(keep=written)
             t0 = time.perf_counter()
         if last:

@@ -160,8 +160,9 @@ def parse_args(argv=None):
     p.add_argument("--dir", default=None,
                    help="download into this folder instead of data/fineweb10B (data/finewebedu10B with --edu)")
     args = p.parse_args(argv)
-    if args.num_train < 1:
-        p.error(f"the number of train shards must be >= 1 (got {args.num_train})")
+    most = 99 if args.edu else 103  # the shards the 10B-token samples have; more would fail at the download
+    if not 1 <= args.num_train <= most:
+        p.error(f"the number of train shards must lie in 1..{most}, the 10B-token sample's (got {args.num_train})")
     return args
 
 

@@ -459,6 +459,8 @@ def parse_args(argv=None):
         p.error("no input: give files/folders to tokenize, or --stdlib")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name or ""):
         p.error(f"--name must be a plain file prefix of letters, digits, '.', '_' and '-' (got {args.name!r})")
+    if re.search(r"_(val|train)$", args.name):  # NAME_val_*.bin would then match the train shards too
+        p.error(f"--name {args.name} ends in _val or _train: the val and train globs would match each other's shards")
     return args
 
 

@@ -185,8 +185,7 @@ def build_model(entry: Entry):
     if model.config.copy_gate != "lm":
         raise CheckpointError(f"{entry.path}: a pointer-sentinel model (--copy_gate {model.config.copy_gate}): these "
                               "studies read the paper's <copy> gate, which it does not have")
-    model.attention_backend = model.cp_backend = "dense"  # FlexAttention only where it is compiled for CUDA
-    return model
+    return inference.use_dense_paths(model)  # FlexAttention only where it is compiled for CUDA
 
 
 def window_of(entry: Entry):

@@ -34,8 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=("trained", "full"), default="trained",
                    help="trained: the checkpoint's sliding window; full: whole documents (default trained)")
     args = p.parse_args(argv)
-    if args.max_new_tokens < 0 or not 0 <= args.temperature < math.inf or args.top_k < 0 or args.seed < 0:
-        p.error("--max_new_tokens, --top_k and --seed must be >= 0, --temperature finite and >= 0")
+    if not (0 <= args.max_new_tokens <= 2 ** 20 and 0 <= args.temperature < math.inf and args.top_k >= 0
+            and 0 <= args.seed < 2 ** 63):
+        p.error("need 0 <= --max_new_tokens <= 1048576, --top_k >= 0, 0 <= --seed < 2^63, --temperature finite and >= 0")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:  # bytes the shell could not decode arrive as lone surrogates

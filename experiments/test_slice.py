@@ -201,7 +201,7 @@ def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
         model, hp, step = inference.load_model(path)
     except tg.DataError as e:
         raise EvalError(str(e))
-    model.attention_backend = model.cp_backend = "dense"
+    inference.use_dense_paths(model)
     tuning, test, n_documents = slices(hp, test_start, test_tokens, documents)
     lengths = token_bytes(hp)
     if lengths is None and documents:
@@ -322,8 +322,8 @@ def main(argv=None):
                    help="1: reuse OUT.json's records of checkpoints scored on the same slice and not rewritten since "
                         "(a run still training: score its new checkpoints only)")
     args = p.parse_args(argv)
-    if args.test_tokens < 1 or args.test_start < 0 or args.threads < 0:
-        p.error("--test_tokens must be >= 1, --test_start and --threads >= 0")
+    if args.test_tokens < 1 or args.test_start < 0 or not 0 <= args.threads <= 1024:
+        p.error("--test_tokens must be >= 1, --test_start >= 0, --threads in 0..1024")
     documents = None
     if args.test_documents:
         parts = args.test_documents.split(":")
@@ -335,6 +335,10 @@ def main(argv=None):
         os.makedirs(folder, exist_ok=True)  # before hours of work: a bad --out fails now
         if os.path.isdir(args.out + ".json") or os.path.isdir(args.out + ".md"):
             raise EvalError(f"--out {args.out}: {args.out}.json or .md is a folder")
+        probe = f"{args.out}.probe{os.getpid()}"  # a read-only folder fails now, not after the scoring
+        with open(probe, "a"):
+            pass
+        os.remove(probe)
     except OSError as e:
         print(f"test_slice.py: error: --out {args.out}: {e.strerror}", file=sys.stderr)
         return 1

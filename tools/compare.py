@@ -652,6 +652,9 @@ def to_json(result):
     return json.dumps(_json_clean(result), indent=2, sort_keys=False)
 
 
+PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif", "tiff", "webp")
+
+
 def _import_pyplot():
     try:
         import matplotlib
@@ -776,6 +779,10 @@ def main(argv=None):
             _import_pyplot()
         except RuntimeError as e:
             return _error(str(e))
+        if not os.path.splitext(args.plot)[1]:  # matplotlib would write NAME.png: say that name
+            args.plot += ".png"
+        if os.path.splitext(args.plot)[1][1:].lower() not in PLOT_FORMATS:
+            return _error(f"--plot {args.plot}: not an image format matplotlib writes ({', '.join(PLOT_FORMATS)})")
     try:
         result = compare(logs, target=args.target, group_by=_split_keys(args.group_by),
                          ignore=_split_keys(args.ignore), target_from=args.target_from)
