@@ -67,11 +67,16 @@ if ! ls data/pystdlib/pystdlib_train_*.bin >/dev/null 2>&1; then
 fi
 race=cpu_race_$(date +%Y%m%d_%H%M%S)_$$
 echo "run.sh: the CPU race: vanilla, then CPLM (the cpu preset, seed 0; about 5 minutes each on 2 cores)"
-echo "run.sh: logs: logs/${race}_vanilla.txt and logs/${race}_cplm.txt; final checkpoints in logs/${race}_{vanilla,cplm}/"
+echo "run.sh: logs: logs/${race}_vanilla.txt and logs/${race}_cplm.txt"
 for mode in vanilla cplm; do
     echo "run.sh: training $mode"
     "$PYTHON" train_gpt_cplm.py --preset cpu --cplm "$([ $mode = cplm ] && echo 1 || echo 0)" \
         --run_id "${race}_$mode" --save_checkpoint 1 "$@"
+done
+for mode in vanilla cplm; do  # said once written: --num_iterations 0 trains nothing and saves none
+    if ls "logs/${race}_$mode"/state_step*.pt >/dev/null 2>&1; then
+        echo "run.sh: final checkpoint of $mode: $(ls "logs/${race}_$mode"/state_step*.pt | tail -1)"
+    fi
 done
 echo
 exec "$PYTHON" tools/compare.py "logs/${race}_vanilla.txt" "logs/${race}_cplm.txt" --target_from cplm=0 \
