@@ -83,7 +83,7 @@ class Logger:
         """--overwrite: the old run's checkpoints go once this run has saved one; when it resumed its own run from
         an earlier checkpoint, those after that one (the branch it abandoned)."""
         own = os.path.realpath(self.run_folder) == self.resume_folder
-        for old in glob.glob(os.path.join(glob.escape(self.run_folder), "state_step*.pt")) if self.path else []:
+        for old in checkpoints_in(self.run_folder) if self.path else []:
             if old not in keep and (not own or 0 <= self.resume_step < checkpoint_step(old)):
                 os.remove(old)
 
@@ -133,13 +133,12 @@ def check_log_target(a, writer=True):
     if os.path.exists(log_path(a)) and not continues_own_run(a) and not a.overwrite:
         raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume of one of its "
                          "own checkpoints, or replace it with --overwrite 1")
-    if glob.glob(os.path.join(glob.escape(checkpoints), "state_step*.pt")) and not a.resume and not a.overwrite:
+    if checkpoints_in(checkpoints) and not a.resume and not a.overwrite:
         raise UsageError(f"{checkpoints} holds checkpoints of an earlier run: choose another --run_id, continue it "
                          "with --resume of one of them, or replace them with --overwrite 1")
     if continues_own_run(a) and not a.overwrite:  # resuming from an earlier checkpoint would overwrite later ones
         folder = os.path.dirname(a.resume)
-        later = sorted(f for f in glob.glob(os.path.join(glob.escape(folder), "state_step*.pt"))
-                       if checkpoint_step(f) > checkpoint_step(a.resume) >= 0)
+        later = [f for f in checkpoints_in(folder) if checkpoint_step(f) > checkpoint_step(a.resume) >= 0]
         if later:
             raise UsageError(f"{folder} holds checkpoints after this one ({os.path.basename(later[-1])}): resuming "
                              "from here would replace them; resume the newest, or pass --overwrite 1 to branch")
@@ -163,6 +162,11 @@ def read_text(path):
 def checkpoint_step(path):
     m = re.search(r"state_step(\d+)\.pt$", path)
     return int(m[1]) if m else -1
+
+
+def checkpoints_in(folder):
+    """The checkpoints in a run's folder, oldest step first."""
+    return sorted(glob.glob(os.path.join(glob.escape(folder), "state_step*.pt")), key=checkpoint_step)
 
 
 def remove_dead_writers_files(folders, pattern):

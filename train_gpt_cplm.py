@@ -40,8 +40,8 @@ from torch.utils.checkpoint import checkpoint
 
 import run_files
 from run_files import (DataError, Logger, UsageError, check_checkpoint_fits, check_log_target, checkpoint_step,
-                       environment_lines, read_checkpoint, remove_dead_writers_files, restore_checkpoint,
-                       save_checkpoint, take_gpu_turn)
+                       checkpoints_in, environment_lines, read_checkpoint, remove_dead_writers_files,
+                       restore_checkpoint, save_checkpoint, take_gpu_turn)
 
 # -----------------------------------------------------------------------------------------------------
 # Config
@@ -202,7 +202,6 @@ def check_args(a: Hyperparameters):
     need(a.cplm == 1 or a.cp_stop_grad != 1, "--cp_stop_grad is an ablation of the CP head: it needs --cplm 1")
     need(a.copy_gate in ("lm", "sentinel") and (a.copy_gate == "lm" or (a.cplm == 1 and a.copy_gate_init == 0)),
          f"--copy_gate is lm or sentinel (got {a.copy_gate!r}); sentinel needs --cplm 1 and no --copy_gate_init")
-    need(a.resume == "" or os.path.isfile(a.resume), f"--resume: no such checkpoint file: {a.resume}")
     need(all(x in (0, 1) for x in (a.cp_stop_grad, a.save_checkpoint, a.overwrite, a.coordinate_descent))
          and a.compile in (-1, 0, 1),
          "--cp_stop_grad, --save_checkpoint, --overwrite and --coordinate_descent must be 0 or 1, --compile -1, 0 or 1")
@@ -720,10 +719,11 @@ class GPT(nn.Module):
             self.copy_logit_bias = nn.Parameter(torch.tensor(math.log(c_init / (1 - c_init)) + math.log(V - 1)))
         # chosen once for the device: "flex" (FlexAttention kernels, CUDA) or "dense" (masked SDPA and chunked
         # dense CP sums, any device); the LM head's loss fused by inductor, or row-chunked for eager CPU runs
-        self.attention_backend = "flex" if torch.cuda.is_available() else "dense"
+        on_cuda = torch.cuda.is_available()
+        self.attention_backend = "flex" if on_cuda else "dense"
         self.cp_backend = self.attention_backend if c.cp_backend == "auto" else c.cp_backend
-        self.cp_chunk = c.cp_chunk or (4096 if torch.cuda.is_available() else 512)
-        self.head_loss = (HeadLoss if torch.cuda.is_available() else EagerCPUHeadLoss)(c.logit_softcap, c.copy_id)
+        self.cp_chunk = c.cp_chunk or (4096 if on_cuda else 512)
+        self.head_loss = (HeadLoss if on_cuda else EagerCPUHeadLoss)(c.logit_softcap, c.copy_id)
 
     @property
     def gate_bias(self):  # the gate's learnable bias: on the <copy> logit, or (pointer sentinel) on the sink's score
@@ -922,10 +922,8 @@ class VanillaLossCPU(torch.autograd.Function):
 
     @staticmethod
     def token_nll(head_out, target_ids, softcap, chunk=32):
-        """vanilla_nll(reduction="none"), flattened, in chunks of rows (the same values where V > 4096; chunk
-        None: all rows at once, vanilla_nll itself)."""
-        u = head_out.flatten(0, -2)
-        return VanillaLossCPU.chunks(u, target_ids.flatten(), softcap, chunk or u.size(0))
+        """vanilla_nll(reduction="none"), flattened, in chunks of rows (the same values where V > 4096)."""
+        return VanillaLossCPU.chunks(head_out.flatten(0, -2), target_ids.flatten(), softcap, chunk)
 
 
 def lm_head_terms(head_out, target_ids, copy_id, softcap=0.0):
@@ -1469,8 +1467,8 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
         return os.path.join(a.log_dir, a.run_id, f"state_step{step:06d}.pt")
 
     # the checkpoints --keep_checkpoints rotates, newest last: this run's, and a continued run's up to its resume
-    written = [] if log.size_before is None else sorted((p for p in glob.glob(os.path.join(glob.escape(
-        a.log_dir), glob.escape(a.run_id), "state_step*.pt")) if checkpoint_step(p) <= start_step), key=checkpoint_step)
+    written = [] if log.size_before is None else [
+        p for p in checkpoints_in(os.path.join(a.log_dir, a.run_id)) if checkpoint_step(p) <= start_step]
 
     def synchronize():
         if device.type == "cuda":
