@@ -3,8 +3,9 @@ run_id, the temporary name until the first validation, and undoing a refused sta
 process per run, and the checkpoints (written whole or not at all, rotated, verified by a digest when read).
 None of it changes what a run computes; each log holds this file's source after the training script's.
 """
-import glob
+import contextlib
 import dataclasses
+import glob
 import fcntl
 import hashlib
 import json
@@ -39,6 +40,7 @@ class Logger:
         self.resume_folder = os.path.realpath(os.path.dirname(a.resume)) if a.resume else None
         self.resume_step = checkpoint_step(a.resume)
         self.started = False
+        self.overwritten_gone = False  # --overwrite: the old run's checkpoints are removed once, at the first save
         self.size_before = None  # appending: the log's size before this run
         self.writing = self.path  # where lines go: the log itself, or the temporary file until start()
         if self.path:
@@ -80,8 +82,11 @@ class Logger:
             self.writing = self.path
 
     def remove_overwritten_checkpoints(self, keep):
-        """--overwrite: the old run's checkpoints go once this run has saved one; when it resumed its own run from
+        """--overwrite: the old run's checkpoints go at this run's first save; when it resumed its own run from
         an earlier checkpoint, those after that one (the branch it abandoned)."""
+        if self.overwritten_gone:
+            return
+        self.overwritten_gone = True
         own = os.path.realpath(self.run_folder) == self.resume_folder
         for old in checkpoints_in(self.run_folder) if self.path else []:
             if old not in keep and (not own or 0 <= self.resume_step < checkpoint_step(old)):
@@ -144,14 +149,33 @@ def check_log_target(a, writer=True):
                              "from here would replace them; resume the newest, or pass --overwrite 1 to branch")
     if not writer:
         return None
-    run_lock = open(os.path.join(a.log_dir, f".{a.run_id}.lock"), "a")  # one process per run_id, fresh or resumed:
-    try:  # held until the run ends (released by the kernel if it is killed)
-        fcntl.flock(run_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # another process's run: main refuses on every rank at once
-        run_lock.close()
-        return None
-    remove_dead_writers_files([a.log_dir], f".{glob.escape(a.run_id)}.txt.starting*")  # killed before starting
+    run_lock = take_run_lock(os.path.join(a.log_dir, f".{a.run_id}.lock"))  # one process per run_id, fresh or resumed
+    if run_lock is not None:
+        remove_dead_writers_files([a.log_dir], f".{glob.escape(a.run_id)}.txt.starting*")  # killed before starting
     return run_lock
+
+
+def take_run_lock(path):
+    """An flock on path, held until release_run_lock (or the process's end, if it is killed); None while another
+    process holds it. The file goes at the release, so a finished run leaves none: whoever locks checks that the
+    file it locked is still the one at path (a releaser may have removed it between this open and this lock)."""
+    while True:
+        lock = open(path, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process's run: main refuses on every rank at once
+            lock.close()
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                return lock
+        lock.close()  # a released lock's removed file: lock the path's new one
+
+
+def release_run_lock(lock):
+    with contextlib.suppress(OSError):
+        os.remove(lock.name)  # still held: a process that opened this file before now finds it gone, and retries
+    lock.close()
 
 
 def read_text(path):

@@ -1,5 +1,6 @@
 """CPU test suite: `python -m pytest -q test_cplm.py` (a few minutes on 2 cores, no GPU, no internet)."""
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import math
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import inference
+import run_files
 import train_gpt_cplm as tg
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -922,6 +924,7 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     full = run_cli(tiny_flags(toy_data, tmp_path, run_id="full", checkpoint_every=1, keep_checkpoints=2))
     assert full.returncode == 0, full.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["state_step000005.pt", "state_step000006.pt"]
+    assert not list(tmp_path.glob(".*.lock")), "a finished run leaves no lock file"
     ckpt = tmp_path / "full" / "state_step000005.pt"
     log = (tmp_path / "full.txt").read_text()
     logged_ms = float(re.search(r"^step:5/6 train_loss:\S+ train_time:(\d+)ms", log, re.M).group(1))
@@ -2309,6 +2312,32 @@ def test_one_process_per_run_id(tmp_path):
     tg.check_log_target(tg.parse_args(flags)).close()
 
 
+def test_a_released_run_lock_leaves_no_file_and_no_gap(tmp_path, monkeypatch):
+    """A finished run removes its lock file. Removing it opens a race: a process that opened the file just before
+    the removal locks a file no longer at the path while a third locks the path's new file, and both would run.
+    Whoever locks re-checks that its file is the path's, and retries."""
+    import fcntl
+    path = str(tmp_path / ".run.lock")
+    lock = run_files.take_run_lock(path)
+    assert run_files.take_run_lock(path) is None  # held
+    run_files.release_run_lock(lock)
+    assert not os.path.exists(path)
+    real_flock, calls = fcntl.flock, []
+
+    def released_meanwhile(f, how):  # the holder releases (and removes the file) between this open and this lock
+        if not calls:
+            os.remove(path)
+        calls.append(f)
+        return real_flock(f, how)
+    monkeypatch.setattr(run_files.fcntl, "flock", released_meanwhile)
+    lock = run_files.take_run_lock(path)
+    assert len(calls) == 2 and calls[0].closed  # the removed file let go, the path's new one locked
+    assert os.fstat(lock.fileno()).st_ino == os.stat(path).st_ino
+    monkeypatch.setattr(run_files.fcntl, "flock", real_flock)
+    assert run_files.take_run_lock(path) is None
+    run_files.release_run_lock(lock)
+
+
 def test_resume_checks_flags_against_the_checkpoints_settings(tmp_path, monkeypatch):
     """The hostile tester's #13: flags given with --resume were checked against the preset's defaults
     (--seq_len 4096 on a batch-4096 checkpoint was refused), and --copy_gate_init was listed as changed although
@@ -2531,6 +2560,73 @@ def _run_script(script, *args):
 def assert_one_line_error(res, code):
     assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
     assert_one_line(res.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the prose corpus's builder: pinned Debian packages (data/prose_packages.txt), checked shards
+
+FAKE_APT_GET = """#!/bin/sh
+echo "$*" >> "$FAKE_LOG"
+[ "$1" = download ] || exit 0
+case "$3" in
+  docpkg=1.0) [ -n "$FAKE_HAS_PIN" ] || { echo "E: Version '1.0' for 'docpkg' was not found"; exit 100; }
+              printf pinned > docpkg_1.0_all.deb ;;
+  *) printf today > "${3%%=*}_9.9_all.deb" ;;
+esac
+"""
+FAKE_CORPUS = """import os, sys
+if "--list_packages" in sys.argv:
+    print("docs docpkg-new|docpkg")
+    sys.exit(0)
+print("prose_corpus.py", *sys.argv[1:])
+os.makedirs("data/prose8192", exist_ok=True)
+open("data/prose8192/prose8192_train_000000.bin", "w").write(os.environ["FAKE_SHARD"])
+"""
+
+
+def _run_build(tmp_path, *args, has_pin=True, shard="the corpus"):
+    data, bin_dir, fake_py = tmp_path / "data", tmp_path / "bin", tmp_path / "py" / "tokenizers"
+    for d in (data, bin_dir, fake_py):
+        d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(ROOT) / "data" / "build_prose_corpus.sh", data)
+    (data / "prose_corpus.py").write_text(FAKE_CORPUS)
+    (fake_py / "__init__.py").write_text("")
+    sha = lambda text: hashlib.sha256(text.encode()).hexdigest()  # noqa: E731
+    (data / "prose_packages.txt").write_text(f"# package version sha256\ndocpkg 1.0 {sha('pinned')}\n"
+                                             f"shard prose8192/prose8192_train_000000.bin {sha('the corpus')}\n")
+    for tool, text in (("apt-get", FAKE_APT_GET), ("apt-cache", "#!/bin/sh\nexit 0\n"), ("man", "#!/bin/sh\n"),
+                       ("dpkg-deb", '#!/bin/sh\nmkdir -p "$3" && cp "$2" "$3/"\n')):
+        (bin_dir / tool).write_text(text)
+        (bin_dir / tool).chmod(0o755)
+    (tmp_path / "apt.txt").unlink(missing_ok=True)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(fake_py.parent),
+           "FAKE_LOG": str(tmp_path / "apt.txt"), "FAKE_HAS_PIN": "1" if has_pin else "", "FAKE_SHARD": shard}
+    r = subprocess.run(["bash", str(data / "build_prose_corpus.sh"), *args], capture_output=True, text=True,
+                       timeout=60, env=env)
+    calls = (tmp_path / "apt.txt").read_text().splitlines() if (tmp_path / "apt.txt").exists() else []
+    return r, [c for c in calls if c.startswith("download")]
+
+
+def test_the_prose_builder_takes_the_pinned_packages_and_checks_the_shards(tmp_path):
+    """The corpus followed Debian's packages of the day, so a rebuild gave another corpus than the one records/
+    trained on. The builder takes each package at its pinned version (the .deb's sha256), from data/prose/debs/
+    or apt, and says whether the shards are the pinned corpus's."""
+    r, downloads = _run_build(tmp_path, "--vocab_sizes", "8192")
+    assert r.returncode == 0, r.stderr
+    assert downloads == ["download -q docpkg=1.0"]  # the pinned one of its group, not the newest alternative
+    assert (tmp_path / "data/prose/root/docpkg/docpkg_1.0_all.deb").read_text() == "pinned"
+    assert "prose_corpus.py --vocab_sizes 8192" in r.stdout and "the pinned corpus's" in r.stdout
+    r, downloads = _run_build(tmp_path, shard="other bytes")  # the deb is there: nothing downloaded again
+    assert r.returncode == 0 and downloads == [] and "docpkg already unpacked" in r.stdout
+    assert "differs from the pinned corpus's sha256" in r.stdout
+    (tmp_path / "data/prose/debs/docpkg_1.0_all.deb").write_text("changed")  # not the pinned bytes: fetched again
+    r, downloads = _run_build(tmp_path, has_pin=False)
+    assert r.returncode == 1 and downloads == ["download -q docpkg=1.0"]
+    assert_one_line(r.stderr, "apt-get cannot download docpkg 1.0", "snapshot.debian.org/binary/docpkg/", "--latest")
+    assert "prose_corpus.py" not in r.stdout  # nothing built
+    r, downloads = _run_build(tmp_path, "--latest")  # today's packages: the first alternative apt knows
+    assert r.returncode == 0 and downloads == ["download -q docpkg-new"], r.stderr
+    assert "prose_corpus.py\n" in r.stdout and "pinned corpus" not in r.stdout  # --latest is not passed on
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -40,8 +40,8 @@ from torch.utils.checkpoint import checkpoint
 
 import run_files
 from run_files import (DataError, Logger, UsageError, check_checkpoint_fits, check_log_target, checkpoint_step,
-                       checkpoints_in, environment_lines, read_checkpoint, remove_dead_writers_files,
-                       restore_checkpoint, save_checkpoint, take_gpu_turn)
+                       checkpoints_in, environment_lines, read_checkpoint, release_run_lock,
+                       remove_dead_writers_files, restore_checkpoint, save_checkpoint, take_gpu_turn)
 
 # -----------------------------------------------------------------------------------------------------
 # Config
@@ -1350,7 +1350,7 @@ def main(argv=None):
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
         if run_lock is not None:
-            run_lock.close()
+            release_run_lock(run_lock)
 
 
 def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, changed=()):
@@ -1519,7 +1519,7 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
             training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops while saving, and is saved
             save_checkpoint(checkpoint_path(step), model, optimizers, step, loader, training_time_ms, a, written)
             log(f"saved checkpoint {checkpoint_path(step)}")
-            if a.overwrite:  # this run has a checkpoint: the old run's others go (all found at the first save)
+            if a.overwrite:  # this run has a checkpoint: the old run's others go (at the first save only)
                 log.remove_overwritten_checkpoints(keep=written)
             t0 = time.perf_counter()
         if last:
