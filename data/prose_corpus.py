@@ -6,9 +6,10 @@ train split, and write speedrun shards: the data of a fair CPU race at the paper
     python3 data/prose_corpus.py --list_packages                     # the packages each source reads
 
 Steps (build_prose_corpus.sh does 1, then runs this script for 2-6):
- 1. Packages. `apt-get download` fetches each source's .deb into data/prose/debs/ and `dpkg-deb -x` unpacks
-    it into data/prose/root/<package>/: nothing is installed and no root is needed (except for an
-    `apt-get update` when the package lists are missing). Debs and unpacked trees already there are kept.
+ 1. Packages. `apt-get download` fetches each source's .deb, at the version data/prose_packages.txt pins
+    (--latest: today's), into data/prose/debs/ and `dpkg-deb -x` unpacks it into data/prose/root/<package>/:
+    nothing is installed and no root is needed (except for an `apt-get update` when the package lists are
+    missing). Debs and unpacked trees already there are kept.
  2. Documents. Every source below turns its files into documents (one file, man page, chapter or book
     = one document), cached in data/prose/docs/<source>.jsonl.gz (reused while its input files are
     unchanged; --refresh rebuilds). Markup is kept as the files have it (reStructuredText, POD,
