@@ -2336,6 +2336,17 @@ def test_a_released_run_lock_leaves_no_file_and_no_gap(tmp_path, monkeypatch):
     monkeypatch.setattr(run_files.fcntl, "flock", real_flock)
     assert run_files.take_run_lock(path) is None
     run_files.release_run_lock(lock)
+    third = []
+
+    def released_and_retaken(f, how):  # ... and a third process creates the path's new file and locks it first
+        if not third:
+            os.remove(path)
+            third.append(open(path, "a"))
+            real_flock(third[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return real_flock(f, how)  # the removed file's lock is free: only the inode check tells
+    monkeypatch.setattr(run_files.fcntl, "flock", released_and_retaken)
+    assert run_files.take_run_lock(path) is None  # the third's run holds the run_id
+    third[0].close()
 
 
 def test_resume_checks_flags_against_the_checkpoints_settings(tmp_path, monkeypatch):
@@ -2566,12 +2577,12 @@ def assert_one_line_error(res, code):
 # the prose corpus's builder: pinned Debian packages (data/prose_packages.txt), checked shards
 
 FAKE_APT_GET = """#!/bin/sh
-echo "$*" >> "$FAKE_LOG"
+echo "apt-get $*" >> "$FAKE_LOG"
 [ "$1" = download ] || exit 0
 case "$3" in
   docpkg=1.0) [ -n "$FAKE_HAS_PIN" ] || { echo "E: Version '1.0' for 'docpkg' was not found"; exit 100; }
-              printf pinned > docpkg_1.0_all.deb ;;
-  *) printf today > "${3%%=*}_9.9_all.deb" ;;
+              printf "$FAKE_HAS_PIN" > docpkg_1.0_all.deb ;;
+  *) printf today > "$(echo "$3" | tr = _)_all.deb" ;;
 esac
 """
 FAKE_CORPUS = """import os, sys
@@ -2579,12 +2590,13 @@ if "--list_packages" in sys.argv:
     print("docs docpkg-new|docpkg")
     sys.exit(0)
 print("prose_corpus.py", *sys.argv[1:])
-os.makedirs("data/prose8192", exist_ok=True)
-open("data/prose8192/prose8192_train_000000.bin", "w").write(os.environ["FAKE_SHARD"])
+if os.environ["FAKE_SHARD"]:  # empty: this build writes no V = 8192 shard (another vocabulary)
+    os.makedirs("data/prose8192", exist_ok=True)
+    open("data/prose8192/prose8192_train_000000.bin", "w").write(os.environ["FAKE_SHARD"])
 """
 
 
-def _run_build(tmp_path, *args, has_pin=True, shard="the corpus"):
+def _run_build(tmp_path, *args, has_pin="pinned", shard="the corpus", pins=None):
     data, bin_dir, fake_py = tmp_path / "data", tmp_path / "bin", tmp_path / "py" / "tokenizers"
     for d in (data, bin_dir, fake_py):
         d.mkdir(parents=True, exist_ok=True)
@@ -2592,40 +2604,56 @@ def _run_build(tmp_path, *args, has_pin=True, shard="the corpus"):
     (data / "prose_corpus.py").write_text(FAKE_CORPUS)
     (fake_py / "__init__.py").write_text("")
     sha = lambda text: hashlib.sha256(text.encode()).hexdigest()  # noqa: E731
-    (data / "prose_packages.txt").write_text(f"# package version sha256\ndocpkg 1.0 {sha('pinned')}\n"
-                                             f"shard prose8192/prose8192_train_000000.bin {sha('the corpus')}\n")
-    for tool, text in (("apt-get", FAKE_APT_GET), ("apt-cache", "#!/bin/sh\nexit 0\n"), ("man", "#!/bin/sh\n"),
-                       ("dpkg-deb", '#!/bin/sh\nmkdir -p "$3" && cp "$2" "$3/"\n')):
+    (data / "prose_packages.txt").write_text(pins or f"# package version sha256\r\ndocpkg 1.0 {sha('pinned')}\r\n"
+                                             f"shard prose8192/prose8192_train_000000.bin {sha('the corpus')}\r\n")
+    for tool, text in (("apt-get", FAKE_APT_GET), ("man", "#!/bin/sh\n"),
+                       ("apt-cache", '#!/bin/sh\necho "apt-cache $*" >> "$FAKE_LOG"\necho "Version: 9.9"\n'),
+                       ("dpkg-deb", '#!/bin/sh\n[ "$1" = -f ] && { basename "$2" | cut -d_ -f2; exit 0; }\n'
+                                    'mkdir -p "$3" && cp "$2" "$3/"\n')):
         (bin_dir / tool).write_text(text)
         (bin_dir / tool).chmod(0o755)
     (tmp_path / "apt.txt").unlink(missing_ok=True)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(fake_py.parent),
-           "FAKE_LOG": str(tmp_path / "apt.txt"), "FAKE_HAS_PIN": "1" if has_pin else "", "FAKE_SHARD": shard}
+           "FAKE_LOG": str(tmp_path / "apt.txt"), "FAKE_HAS_PIN": has_pin, "FAKE_SHARD": shard}
     r = subprocess.run(["bash", str(data / "build_prose_corpus.sh"), *args], capture_output=True, text=True,
                        timeout=60, env=env)
     calls = (tmp_path / "apt.txt").read_text().splitlines() if (tmp_path / "apt.txt").exists() else []
-    return r, [c for c in calls if c.startswith("download")]
+    return r, calls
 
 
 def test_the_prose_builder_takes_the_pinned_packages_and_checks_the_shards(tmp_path):
     """The corpus followed Debian's packages of the day, so a rebuild gave another corpus than the one records/
     trained on. The builder takes each package at its pinned version (the .deb's sha256), from data/prose/debs/
-    or apt, and says whether the shards are the pinned corpus's."""
-    r, downloads = _run_build(tmp_path, "--vocab_sizes", "8192")
+    or apt, and says whether the shards it wrote are the pinned corpus's."""
+    (tmp_path / "data/prose/root/docpkg-new").mkdir(parents=True)  # a newer alternative's tree, left by --latest
+    r, calls = _run_build(tmp_path, "--vocab_sizes", "8192")
     assert r.returncode == 0, r.stderr
-    assert downloads == ["download -q docpkg=1.0"]  # the pinned one of its group, not the newest alternative
+    assert calls[-1] == "apt-get download -q docpkg=1.0"  # the pinned one of its group, not the newest alternative
     assert (tmp_path / "data/prose/root/docpkg/docpkg_1.0_all.deb").read_text() == "pinned"
+    assert not (tmp_path / "data/prose/root/docpkg-new").exists()  # the source would read the newest tree there
     assert "prose_corpus.py --vocab_sizes 8192" in r.stdout and "the pinned corpus's" in r.stdout
-    r, downloads = _run_build(tmp_path, shard="other bytes")  # the deb is there: nothing downloaded again
-    assert r.returncode == 0 and downloads == [] and "docpkg already unpacked" in r.stdout
+    r, calls = _run_build(tmp_path, shard="other bytes")  # every pinned .deb here: no apt at all
+    assert r.returncode == 0 and calls == [] and "docpkg already unpacked" in r.stdout, r.stderr
     assert "differs from the pinned corpus's sha256" in r.stdout
+    r, calls = _run_build(tmp_path, shard="")  # a shard this build did not write is not vouched for
+    assert r.returncode == 0 and "pinned corpus" not in r.stdout
+
+
+def test_the_prose_builder_refuses_what_is_not_the_pinned_package_in_one_line(tmp_path):
+    (tmp_path / "data/prose/debs").mkdir(parents=True)
     (tmp_path / "data/prose/debs/docpkg_1.0_all.deb").write_text("changed")  # not the pinned bytes: fetched again
-    r, downloads = _run_build(tmp_path, has_pin=False)
-    assert r.returncode == 1 and downloads == ["download -q docpkg=1.0"]
+    r, calls = _run_build(tmp_path, has_pin="")
+    assert r.returncode == 1 and "apt-get download -q docpkg=1.0" in calls
     assert_one_line(r.stderr, "apt-get cannot download docpkg 1.0", "snapshot.debian.org/binary/docpkg/", "--latest")
     assert "prose_corpus.py" not in r.stdout  # nothing built
-    r, downloads = _run_build(tmp_path, "--latest")  # today's packages: the first alternative apt knows
-    assert r.returncode == 0 and downloads == ["download -q docpkg-new"], r.stderr
+    r, _ = _run_build(tmp_path, has_pin="other bytes")  # the archive's file is not the pinned one
+    assert r.returncode == 1 and "prose_corpus.py" not in r.stdout
+    assert_one_line(r.stderr, "docpkg_1.0_all.deb has sha256", "not the pinned")
+    r, _ = _run_build(tmp_path, pins="docpkg 1.0\n")  # a pin without its sha256 would check nothing
+    assert r.returncode == 1
+    assert_one_line(r.stderr, "the line of docpkg needs a version and a sha256")
+    r, calls = _run_build(tmp_path, "--latest")  # today's packages: the first alternative apt knows, its version
+    assert r.returncode == 0 and "apt-get download -q docpkg-new=9.9" in calls, r.stderr
     assert "prose_corpus.py\n" in r.stdout and "pinned corpus" not in r.stdout  # --latest is not passed on
 
 

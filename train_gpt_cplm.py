@@ -1347,10 +1347,10 @@ def main(argv=None):
                 log.undo(keep_if_new=True)  # an earlier run's log stays as it was
             raise
     finally:
+        if run_lock is not None:  # first: a teardown that raises leaves no lock file behind
+            release_run_lock(run_lock)
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
-        if run_lock is not None:
-            release_run_lock(run_lock)
 
 
 def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, changed=()):
