@@ -79,11 +79,12 @@ RACE_FLAGS = ["--num_iterations", "100", "--val_loss_every", "20", "--val_tokens
 #       records/prose_v2/logs/prose_{vanilla,cplm,v2048_*,v32768_*,bytes_*}_lr0.5_s0/state_step001000.pt \
 #       --test_documents 19:142 --out records/prose_v2/vd_same_bytes
 # The headline again on the pinned corpus build (data/prose_packages.txt, 2026-12-02), each mode's rate and the
-# pointer sentinel's swept on that build's validation slice (records/prose_v3; no scale 2, a loser before):
+# pointer sentinel's chosen on that build's validation slice (records/prose_v3; CPLM's best moved to 1):
 #   python experiments/race.py --study prose --stage sweep --seeds 0 --out records/prose_v3 --only \
-#       prose_vanilla_lr0.25,prose_vanilla_lr0.5,prose_vanilla_lr1,prose_cplm_lr0.25,prose_cplm_lr0.5,prose_cplm_lr1
-#   for s in 0.25 0.5 1; do python experiments/race.py --study prose --stage rows --scale $s --only sentinel \
+#       prose_vanilla_lr0.5,prose_vanilla_lr1,prose_cplm_lr0.5,prose_cplm_lr1
+#   for s in 0.25 0.5 1 2; do python experiments/race.py --study prose --stage rows --scale $s --only sentinel \
 #       --seeds 0 --out records/prose_v3; done
+#   python experiments/race.py --study prose --stage rows --scale 1 --only cplm,sentinel --seeds 1,2 --out records/prose_v3
 PROSE_BUDGET = ["--val_seq_len", "1024", "--num_iterations", "1000", "--val_loss_every", "50", "--val_tokens", "32768",
                 "--compile", "1",  # inductor on CPU: a CPLM step 1.55 -> 1.1 s (one thread), after ~1 min compiling
                 # checkpoints at 10%, 20%, ... of training for the mechanism studies (logs/<run_id>/, git-ignored
