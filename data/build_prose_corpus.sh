@@ -106,7 +106,7 @@ today's packages with --latest (another corpus than records/')"
         [ -n "$deb" ] || die "source $src: apt-get download $pkg=$version failed"
         echo "$src: downloaded $(basename "$deb") ($(du -h "$deb" | cut -f1))"
     fi
-    marker="$(basename "$deb") $(sha_of "$deb")"
+    marker="$(basename "$deb") ${sha:-$(sha_of "$deb")}"  # pinned: its sha256 was checked above, not hashed again
     if [ "$(cat "$WORK/root/$pkg/.unpacked" 2>/dev/null)" = "$marker" ]; then
         echo "$src: $pkg already unpacked"
         continue
