@@ -178,6 +178,24 @@ def release_run_lock(lock):
     lock.close()
 
 
+def git_state(folder):
+    """The commit checked out in folder, '+dirty' if tracked files differ from it; 'unknown' outside git."""
+    try:
+        run = lambda *cmd: subprocess.run(["git", "-C", folder, *cmd], capture_output=True, text=True,  # noqa: E731
+                                          timeout=20, check=True).stdout.strip()
+        return run("rev-parse", "HEAD") + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+
+
+def file_sha256(path, block=1 << 24):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def read_text(path):
     with open(path) as f:
         return f.read()
@@ -318,9 +336,15 @@ def restore_checkpoint(state, model, optimizers, loader, path):
     return state["step"], state["training_time_ms"]
 
 
-def environment_lines(device, world_size):
+def environment_lines(device, world_size, a=None):
+    """The log's header after the sources: versions and hardware; with a (rank 0), what the run read: the code's
+    commit and the data's bytes, so that a number in records/ names what made it."""
     lines = [f"python {platform.python_version()} torch {torch.__version__} on {platform.platform()}",
              f"device: {device} world_size: {world_size} cpu_threads: {torch.get_num_threads()}"]
+    if a is not None:
+        lines.append(f"git: {git_state(os.path.dirname(os.path.abspath(__file__)))}")
+        lines += [f"data: {path} sha256 {file_sha256(path)}"
+                  for path in sorted(glob.glob(a.train_files)) + sorted(glob.glob(a.val_files))]
     if device.type == "cuda":
         lines.append(f"gpu: {torch.cuda.get_device_name(device)} cuda {torch.version.cuda}")
         try:

@@ -1354,7 +1354,7 @@ def main(argv=None):
 
 
 def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, changed=()):
-    for line in environment_lines(device, world_size):
+    for line in environment_lines(device, world_size, a if rank == 0 else None):
         log(line, console=False)
     log(f"run_id: {a.run_id}")
     # data first: every shard is checked (header, size, token ids) before any model is built
