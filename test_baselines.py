@@ -183,6 +183,17 @@ def test_cli_scores_both_modes_and_tunes_the_cache_on_the_tuning_slice_only(tmp_
     assert (vanilla["cache"]["theta"], vanilla["cache"]["lambda"]) == best
     assert "| tiny0 | 2 | vanilla | 100 |" in (tmp_path / "report" / "slice.md").read_text()
     assert "bytes" not in vanilla["test"]  # no tokenizer.json: no bits per byte
+    # per-document sums: one entry per whole document of the slice, adding up to the slice's totals
+    for record, part in ((vanilla, "test"), (vanilla, "cache"), (cplm, "test")):
+        docs, totals = record[part]["per_document"], record[part]
+        assert len(docs["nll"]) == record["test_documents"] and min(docs["targets"]) > 0
+        assert sum(docs["targets"]) == totals["tokens"]
+        assert sum(docs["nll"]) / totals["tokens"] == pytest.approx(totals["loss"], rel=1e-6)
+        assert sum(docs["nll_copyable"]) / sum(docs["copyable"]) == pytest.approx(totals["copyable"], rel=1e-6)
+    assert vanilla["test"]["per_document"]["targets"] == cplm["test"]["per_document"]["targets"]
+    assert vanilla["cache"]["per_document"]["nll"] != vanilla["test"]["per_document"]["nll"]
+    assert set(vanilla["scored_by"]) == {"git", "sha256 experiments/test_slice.py", "sha256 train_gpt_cplm.py",
+                                         "sha256 inference.py"}
     capsys.readouterr()
     assert ts.main([str(tmp_path / "none.pt"), "--out", str(out)]) == 1
     err = capsys.readouterr().err

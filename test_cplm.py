@@ -3035,6 +3035,78 @@ def _race_log(path, cplm, seed, losses, every=10, diags=None, **hparams):
     path.write_text("\n".join(lines) + "\n")
 
 
+def test_speedrun_fixes_the_target_once_then_bisects_each_mode_on_the_grid(tmp_path):
+    sr = _load_experiment("speedrun")
+    n, _, cpu_params, record_params = sr.matched_steps()
+    assert (n, cpu_params, record_params) == (3237, 786450, 82575412)  # 8.43 tokens per non-embedding parameter
+    (tmp_path / "logs").mkdir()
+    out = str(tmp_path)
+
+    def finish(mode, steps, loss_of_seed):
+        for s in sr.SEEDS:
+            _race_log(tmp_path / "logs" / f"{sr.run_id(mode, steps, s)}.txt", int(mode != "vanilla"), int(s),
+                      [9.0, loss_of_seed(int(s))])
+
+    first = sr.wanted(out, n)
+    assert first[:5] == [("vanilla", n, s) for s in sr.SEEDS]  # vanilla first, then both first probes, interleaved
+    assert first[5:7] == [("cplm", 1000, "0"), ("sentinel", 1000, "0")] and len(first) == 15
+    assert all("--data_seed" in sr.command(out, *r) for r in first)  # a seed varies the data order too
+    finish("cplm", 1000, lambda s: 4.0 + 0.001 * s)
+    assert sr.read_target(out) is None and ("cplm", 500, "0") not in sr.wanted(out, n)  # nothing read before
+    finish("vanilla", n, lambda s: 4.50 + 0.01 * s)
+    assert sr.wanted(out, n)[0] == ("cplm", 500, "0") and sr.read_target(out)["target"] == pytest.approx(4.52)
+    finish("vanilla", n, lambda s: 9.0)  # a rerun of vanilla's logs never moves the fixed target
+    assert sr.read_target(out)["target"] == pytest.approx(4.52)
+
+    def search(mode, loss_at):  # runs the rule to its end; returns the probes in the order it asked for them
+        asked = []
+        while (nxt := sr.search(out, mode, n, sr.read_target(out))[1]) is not None:
+            asked.append(nxt)
+            finish(mode, nxt, lambda s: loss_at(nxt, s))
+        return asked, sr.search(out, mode, n, sr.read_target(out))
+
+    # CPLM meets the target from 600 steps on; at 550-599 it would be below the target, but not with p < 0.01
+    asked, (probes, _, steps, lo) = search("cplm", lambda m, s: 4.0 + 0.001 * s if m >= 600 else 4.5 + 0.02 * (s - 2))
+    assert asked == [500, 700, 600] and (steps, lo) == (600, 500)
+    assert probes[500]["mean"] < 4.52 and not probes[500]["passed"]  # below the target, p too large: a failure
+    asked, (_, _, steps, lo) = search("sentinel", lambda m, s: 4.0 + 0.001 * s if m >= 2000 else 5.0)
+    assert asked == [1000, 2100, 1500, 1800, 1900, 2000] and (steps, lo) == (2000, 1900)
+    assert sr.wanted(out, n) == []
+    # a mode that never meets it ends at N itself
+    for f in (tmp_path / "logs").glob("sentinel_*"):
+        f.unlink()
+    asked, (_, _, steps, lo) = search("sentinel", lambda m, s: 5.0 + 0.001 * s)
+    assert asked[-3:] == [3000, 3100, n] and (steps, lo) == (None, n)
+
+
+def test_speedrun_heads_gap_is_per_token_paired_by_seed_with_a_two_level_interval(tmp_path):
+    sr = _load_experiment("speedrun")
+    rng = np.random.default_rng(0)
+    targets = rng.integers(50, 500, 40)
+    copyable = targets // 2
+    records = []
+    for mode, shift in (("cplm", 0.0), ("sentinel", 0.05)):  # the sentinel 0.05 nats per token behind, copyable only
+        for s in sr.SEEDS:
+            nll_copyable = copyable * (2.0 + 2 * shift) + rng.normal(0, 2, 40)
+            nll = nll_copyable + (targets - copyable) * 5.0
+            per_doc = {"targets": targets.tolist(), "copyable": copyable.tolist(), "nll": nll.tolist(),
+                       "nll_copyable": nll_copyable.tolist()}
+            for step in (1000, 250):  # an intermediate checkpoint of a run is not its final
+                records.append({"run_id": sr.run_id(mode, 1000, s), "step": step, "test": {"per_document": per_doc}})
+    records.append({"run_id": sr.run_id("cplm", 500, "0"), "step": 500, "test": {"per_document": per_doc}})
+    (tmp_path / "test_slice.json").write_text(json.dumps({"records": records}))
+    rows = sr.heads_at_equal_schedules(str(tmp_path), 3237)
+    assert [r["steps"] for r in rows] == [1000]  # M = 500: one mode, one seed only
+    (point, (lo, hi)), share = rows[0]["all"], copyable.sum() / targets.sum()
+    assert point == pytest.approx(0.1 * share, abs=2e-3) and lo < point < hi and lo > 0
+    assert rows[0]["copyable"][0] == pytest.approx(0.1, abs=3e-3) and rows[0]["other"][0] == pytest.approx(0, abs=1e-9)
+    assert rows[0]["verdict"] == "CPLM ahead"
+    # a document-level effect: the interval widens with the spread over documents, not only over seeds
+    a = np.tile(rng.normal(0, 30, 40), (5, 1))  # the same per-document differences in every seed
+    point, (lo, hi) = sr.bootstrap_gap(a, np.zeros_like(a), targets, draws=2000)
+    assert hi - lo > 0.02 and lo < point < hi
+
+
 def test_race_report_gaps_targets_and_the_gate_cost(tmp_path):
     race_report = _load_experiment("race_report")
     # vanilla falls linearly 5 -> 3 over 40 steps; CPLM is 0.5 lower at every evaluation, seed 1 another 0.1
@@ -3063,6 +3135,10 @@ def test_race_report_gaps_targets_and_the_gate_cost(tmp_path):
     row = next(line for line in text.splitlines() if "LM head's own NLL" in line)
     assert "| 4.050 +- 0.071 | 4.200 +- 0.071 | -0.150 +- 0.141 |" in row, row
     assert "| other targets: gate cost -log(1 - lambda) | | 0.300 +- 0.071 |" in text
+    # a gated run in the vanilla column (the pointer sentinel against CPLM): its gate's cost comes off as well
+    assert race_report.main([str(tmp_path), "--pair", "gated=c:c", "--fractions", "1", "--out", str(out)]) == 0
+    row = next(line for line in out.read_text().splitlines() if "LM head's own NLL" in line)
+    assert "| 4.200 +- 0.071 | 4.200 +- 0.071 | 0.000 +- 0.000 |" in row, row
     # bad input: one line, exit 2
     with pytest.raises(SystemExit) as e:
         race_report.main([str(tmp_path), "--pair", "nonsense"])

@@ -1,11 +1,12 @@
 """What the CP head costs on CPU, measured in one run.
 
-    python experiments/cp_cost.py step_time [--steps 20]   # cpu preset: CPLM / vanilla step time, median
+    python experiments/cp_cost.py step_time [--steps 20] [--modes vanilla,cplm,sentinel] [-- --compile 1 ...]
+                                                        # cpu preset: each mode's step time over vanilla's, medians
     python experiments/cp_cost.py memory [--lengths 4096,16384]   # peak memory of the CP loss vs a naive one
     python experiments/cp_cost.py parameters   # the CP head's parameter count and share, per preset
 
-step_time builds both models from the same seed and alternates their training steps (forward, backward,
-optimizer) on the same real batches, so both see the same machine load; the ratio is of medians.
+step_time builds each mode's model from the same seed and alternates their training steps (forward, backward,
+optimizer) on the same real batches, so all see the same machine load; the ratios are of medians.
 memory runs every (implementation, length) in a fresh subprocess and reports its peak RSS above the
 process's baseline: the chunked dense path of train_gpt_cplm (what the CPU trains with) against a naive
 dense one that builds the full (T, T) score and mask matrices.
@@ -24,45 +25,63 @@ from cli import OneLineParser  # experiments/cli.py: also puts the repository ro
 import train_gpt_cplm as tg  # noqa: E402
 
 
+MODE_FLAGS = {"vanilla": {"cplm": 0}, "cplm": {"cplm": 1, "copy_gate": "lm"},
+              "sentinel": {"cplm": 1, "copy_gate": "sentinel"}}  # the pointer-sentinel gate on the same CP head
+
+
 def step_time(args):
+    """The modes' training steps alternated on the same batches (compiled as the run compiles with --compile 1
+    after --): the ratios to vanilla are of medians measured in one process, under one machine load."""
     hp = tg.resolve_vocabulary(tg.parse_args(["--preset", "cpu"] + args.extra))
     loader = tg.TrainLoader(hp.train_files, hp.batch_size, hp.seq_len, 0, 1, hp.vocab_size)
     tg.use_heap_for_large_tensors()  # as train_gpt_cplm.main does on CPU; after the checks, as it is process-wide
-    models, optimizers = {}, {}
-    for mode in (0, 1):
+    compiled = hp.compile == 1
+    window = torch.full((), tg.window_blocks(0, hp), dtype=torch.int32)
+    steps, optimizers = {}, {}
+    for mode in args.modes:
+        mode_hp = tg.dataclasses.replace(hp, **MODE_FLAGS[mode])
         torch.manual_seed(hp.seed)
-        models[mode] = tg.GPT(tg.GPTConfig.from_args(tg.dataclasses.replace(hp, cplm=mode)))
-        optimizers[mode] = tg.build_optimizers(models[mode], tg.dataclasses.replace(hp, cplm=mode), 0, 1)
-    times = {0: [], 1: []}
-    for step in range(args.steps + 2):
+        model = tg.GPT(tg.GPTConfig.from_args(mode_hp))
+        if compiled:  # as train_gpt_cplm.train: the head's loss written for inductor, the whole model compiled
+            model.head_loss = tg.HeadLoss(hp.logit_softcap, model.config.copy_id)
+        steps[mode] = (model, torch.compile(model, dynamic=False) if compiled else model)
+        optimizers[mode] = tg.build_optimizers(model, mode_hp, 0, 1, compiled=compiled)
+    times = {mode: [] for mode in args.modes}
+    warmup = 3 if compiled else 2  # compiling (the first step of each mode) and warming the allocator: untimed
+    for step in range(args.steps + warmup):
         batch = loader.next_batch("cpu")
-        for mode in ((0, 1) if step % 2 == 0 else (1, 0)):  # alternate who goes first
+        k = step % len(args.modes)
+        for mode in args.modes[k:] + args.modes[:k]:  # each mode goes first in turn
+            model, forward = steps[mode]
             t0 = time.perf_counter()
             for inputs, targets in batch:
-                (models[mode](inputs, targets) / len(batch)).backward()
+                (forward(inputs, targets, window) / len(batch)).backward()
             for opt in optimizers[mode]:
                 opt.step()
-            models[mode].zero_grad(set_to_none=True)
-            if step >= 2:  # the first steps warm the allocator
+            model.zero_grad(set_to_none=True)
+            if step >= warmup:
                 times[mode].append(time.perf_counter() - t0)
-    result = {"preset": "cpu", "tokens_per_step": hp.batch_size, "steps": args.steps, "threads": torch.get_num_threads(),
-              "vanilla_median_ms": 1000 * statistics.median(times[0]), "cplm_median_ms": 1000 * statistics.median(times[1]),
-              "vanilla_ms": [round(1000 * t, 1) for t in times[0]], "cplm_ms": [round(1000 * t, 1) for t in times[1]]}
-    result["ratio"] = result["cplm_median_ms"] / result["vanilla_median_ms"]
-    # the per-step ratio (CPLM's step over vanilla's in the same pair of steps): its spread says how stable it is
-    pair_ratios = sorted(c / v for v, c in zip(times[0], times[1]))
-    result["pair_ratio_quartiles"] = [round(statistics.quantiles(pair_ratios, n=4)[i], 3) for i in (0, 2)]
-
-    def spread(ms):
-        q = statistics.quantiles(ms, n=4)
-        return f"median {statistics.median(ms):.0f} ms, quartiles {q[0]:.0f}-{q[2]:.0f}, range {min(ms):.0f}-{max(ms):.0f}"
+    medians = {mode: 1000 * statistics.median(t) for mode, t in times.items()}
+    result = {"preset": "cpu", "tokens_per_step": hp.batch_size, "vocab_size": hp.vocab_size, "compile": int(compiled),
+              "steps": args.steps, "threads": torch.get_num_threads(), "train_files": hp.train_files,
+              **{f"{mode}_median_ms": medians[mode] for mode in args.modes},
+              **{f"{mode}_ms": [round(1000 * t, 1) for t in times[mode]] for mode in args.modes}}
+    base = args.modes[0]
+    for mode in args.modes[1:]:
+        result[f"ratio_{mode}"] = medians[mode] / medians[base]
+        # the per-step ratio (this mode's step over the first mode's in the same round): its spread says how stable
+        pair_ratios = [m / b for b, m in zip(times[base], times[mode])]
+        q = statistics.quantiles(pair_ratios, n=4)
+        result[f"pair_ratio_quartiles_{mode}"] = [round(q[0], 3), round(q[2], 3)]
     print(json.dumps(result))
-    print(f"train files: {hp.train_files}")
-    print(f"vanilla: {spread([1000 * t for t in times[0]])}")
-    print(f"cplm:    {spread([1000 * t for t in times[1]])}")
-    print(f"cpu preset step time: vanilla {result['vanilla_median_ms']:.0f} ms, cplm {result['cplm_median_ms']:.0f} ms "
-          f"(medians of {args.steps}); cplm/vanilla = {result['ratio']:.3f} (per-pair ratio quartiles "
-          f"{result['pair_ratio_quartiles'][0]:.3f}-{result['pair_ratio_quartiles'][1]:.3f})")
+    print(f"train files: {hp.train_files}; compiled: {bool(compiled)}; {torch.get_num_threads()} thread(s)")
+    for mode in args.modes:
+        q = statistics.quantiles(times[mode], n=4)
+        print(f"{mode:>9}: median {medians[mode]:.0f} ms, quartiles {1000 * q[0]:.0f}-{1000 * q[2]:.0f}, range "
+              f"{1000 * min(times[mode]):.0f}-{1000 * max(times[mode]):.0f}")
+    for mode in args.modes[1:]:
+        print(f"{mode}/{base} = {result[f'ratio_{mode}']:.3f} (medians of {args.steps}; per-round ratio quartiles "
+              f"{result[f'pair_ratio_quartiles_{mode}'][0]:.3f}-{result[f'pair_ratio_quartiles_{mode}'][1]:.3f})")
 
 
 def parameters(args):
@@ -133,13 +152,18 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("step_time")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--modes", default="vanilla,cplm", help="comma list of vanilla, cplm, sentinel; ratios are to the first")
     p.add_argument("extra", nargs="*", help="train_gpt_cplm flags after --, e.g. -- --attn_window 256")
     p = sub.add_parser("memory")
     p.add_argument("--lengths", default="4096,16384")
     sub.add_parser("parameters")
     args = parser.parse_args(argv)
-    if args.what == "step_time" and args.steps < 1:
-        parser.error(f"--steps must be >= 1 (got {args.steps})")
+    if args.what == "step_time":
+        if args.steps < 1:
+            parser.error(f"--steps must be >= 1 (got {args.steps})")
+        args.modes = args.modes.split(",")
+        if len(set(args.modes)) != len(args.modes) or not set(args.modes) <= set(MODE_FLAGS):
+            parser.error(f"--modes: distinct names from {', '.join(MODE_FLAGS)} (got {','.join(args.modes)})")
     if args.what == "memory":
         raw = args.lengths
         try:

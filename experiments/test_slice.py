@@ -21,7 +21,8 @@ normed hidden state and x_{i+1} the token that followed position i,
     p_cache(w | t) = sum_{i < t, same document, x_{i+1} = w} softmax_i(theta h_t . h_i),
     p(w) = (1 - lambda) p_LM(w) + lambda p_cache(w)     (p_LM alone where the cache is empty),
 no training; (theta, lambda) minimise the tuning slice's loss over a grid, then the test slice is scored.
-Writes <out>.json (one record per checkpoint) and <out>.md (a table), and prints the table.
+Writes <out>.json (one record per checkpoint: its losses, per-document sums for intervals over documents, and
+the scorer's version) and <out>.md (a table), and prints the table.
 """
 import glob
 import json
@@ -36,8 +37,13 @@ import torch
 from cli import ROOT, OneLineParser  # experiments/cli.py
 import inference  # noqa: E402  (the repository root is on sys.path now)
 import race_report  # noqa: E402  (experiments/race_report.py)
+import run_files  # noqa: E402
 import train_gpt_cplm as tg  # noqa: E402
 
+# the scorer's version in every record: the commit (+dirty) and the sha256 of this file and of what it imports
+SCORED_BY = {"git": run_files.git_state(ROOT),
+             **{f"sha256 {name}": run_files.file_sha256(os.path.join(ROOT, name))
+                for name in ("experiments/test_slice.py", "train_gpt_cplm.py", "inference.py")}}
 THETAS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)  # h is RMS-normed: h . h = D (128 at the cpu preset)
 LAMBDAS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 
@@ -153,13 +159,29 @@ def mix_cache(log_p_lm, log_p_cache, lam):
 @torch.no_grad()
 def score(model, hp, step, tokens, with_cache, theta_lambda=None):
     """Sums over the slice's targets: nll, and over copyable targets; with_cache: the cache's nll for every
-    (theta, lambda) of the grid (theta_lambda: that pair only)."""
+    (theta, lambda) of the grid (theta_lambda: that pair only, and per document as well). "per_document": the
+    same sums for each document of the slice (a target belongs to the document of its input token), in order."""
     window = torch.tensor(tg.window_blocks(step, hp), dtype=torch.int32)
     grid = [theta_lambda] if theta_lambda else [(t, lam) for t in THETAS for lam in LAMBDAS]
     sums = {"n": 0, "nll": 0.0, "n_copy": 0, "nll_copy": 0.0, "cache": {g: [0.0, 0.0] for g in grid}}
+    doc_of = (torch.cumsum(tokens[:-1] == hp.bos_id, 0) - 1).clamp(min=0)  # each target's document
+    docs = int(doc_of[-1]) + 1
+    per_doc = {k: torch.zeros(docs, dtype=torch.float64) for k in
+               ("targets", "nll", "copyable", "nll_copyable", "cache_nll", "cache_nll_copyable")}
+    offset = 0
     for x, y, valid in rows_of(tokens, hp.val_seq_len, hp.bos_id):
         stats = model(x, y, window, token_stats=True)
         nll, copyable = stats["nll"].double() * valid, stats["copyable"] & valid
+        real = int(valid.sum())
+        row_docs = doc_of[offset:offset + real]
+        offset += real
+
+        def add(key, values):  # the row's real positions into their documents' sums
+            per_doc[key].index_add_(0, row_docs, values[0, :real].double())
+        add("targets", valid.double())
+        add("nll", nll)
+        add("copyable", copyable.double())
+        add("nll_copyable", nll * copyable)
         sums["n"] += int(valid.sum())
         sums["nll"] += float(nll.sum())
         sums["n_copy"] += int(copyable.sum())
@@ -174,6 +196,11 @@ def score(model, hp, step, tokens, with_cache, theta_lambda=None):
                         c_nll = -mix_cache(log_p_lm, log_p_cache, lam) * valid
                         sums["cache"][(t, lam)][0] += float(c_nll.sum())
                         sums["cache"][(t, lam)][1] += float((c_nll * copyable).sum())
+                        if theta_lambda:
+                            add("cache_nll", c_nll)
+                            add("cache_nll_copyable", c_nll * copyable)
+    sums["per_document"] = {k: v.tolist() for k, v in per_doc.items()
+                            if with_cache and theta_lambda or not k.startswith("cache")}
     return sums
 
 
@@ -184,6 +211,14 @@ def summary(sums, n_bytes=None):
     if n_bytes:
         out.update(bytes=n_bytes, bits_per_byte=sums["nll"] / math.log(2) / n_bytes)
     return out
+
+
+def per_document(sums, cached=False):
+    """The slice's per-document sums (targets, nll, copyable targets, their nll), rounded to 1e-6 nats."""
+    d = sums["per_document"]
+    nll, nll_copyable = (d["cache_nll"], d["cache_nll_copyable"]) if cached else (d["nll"], d["nll_copyable"])
+    return {"targets": [int(x) for x in d["targets"]], "copyable": [int(x) for x in d["copyable"]],
+            "nll": [round(x, 6) for x in nll], "nll_copyable": [round(x, 6) for x in nll_copyable]}
 
 
 def file_id(path):
@@ -214,17 +249,19 @@ def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
     record = {"checkpoint": os.path.relpath(path, ROOT) if path.startswith(ROOT) else path, "run_id": hp.run_id,
               "step": step, "mode": mode, "seed": hp.seed, "vocab_size": hp.vocab_size,
               "test_documents": n_documents, "file": file_id(path),
-              "slice": slice_key(test_start, test_tokens, documents)}
+              "slice": slice_key(test_start, test_tokens, documents), "scored_by": SCORED_BY}
     if mode != "vanilla":
-        record["test"] = summary(score(model, hp, step, test, with_cache=False), n_bytes)
+        test_sums = score(model, hp, step, test, with_cache=False)
+        record["test"] = {**summary(test_sums, n_bytes), "per_document": per_document(test_sums)}
         return record
     tune = score(model, hp, step, tuning, with_cache=True)
     best = min(tune["cache"], key=lambda g: tune["cache"][g][0])
     test_sums = score(model, hp, step, test, with_cache=True, theta_lambda=best)  # one pass: alone and cached
     cached = test_sums["cache"][best]
-    record["test"] = summary(test_sums, n_bytes)
+    record["test"] = {**summary(test_sums, n_bytes), "per_document": per_document(test_sums)}
     record["cache"] = {"theta": best[0], "lambda": best[1], "tuning_loss": tune["cache"][best][0] / tune["n"],
-                       **summary({**test_sums, "nll": cached[0], "nll_copy": cached[1]}, n_bytes)}
+                       **summary({**test_sums, "nll": cached[0], "nll_copy": cached[1]}, n_bytes),
+                       "per_document": per_document(test_sums, cached=True)}
     return record
 
 

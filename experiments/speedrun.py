@@ -1,0 +1,339 @@
+"""The CPU speedrun (records/cpu_speedrun): vanilla, CPLM and the pointer sentinel raced to a target validation
+loss as the speedrun claims a record, at the 2025-01-26 record's tokens per non-embedding parameter.
+
+    python experiments/speedrun.py run [--jobs 2] [--out records/cpu_speedrun]   # the runs the rule asks for next
+    python experiments/speedrun.py report [--out records/cpu_speedrun]           # OUT/speedrun.md and .json
+
+`run` starts every run the rule below asks for, --jobs at a time (one thread each), and keeps asking until the
+rule has nothing more to run; stopped, it continues where it was (finished runs are read from their logs, a
+stopped run resumes from its newest checkpoint, or starts again). The rule, fixed before any run:
+1. The budget N: the record trains 1770 x 393,216 tokens for 82,575,412 non-embedding parameters (8.43 tokens
+   each); the cpu preset's 786,450 at 2048 tokens a step gives N = 3237 steps (matched_steps()).
+2. Vanilla at N on seeds 0-4; seed s sets the initial weights (--seed s) and the data order (--data_seed s).
+   The target is the mean of the five final validation losses, written to OUT/target.json once all five have
+   finished, before any other mode's result is read, and never recomputed.
+3. CPLM and the pointer sentinel run the same seeds with schedules of M steps (the same shape: the cooldown is
+   the last 40% of M). M passes when the mean of its five final validation losses is below the target with
+   one-sided p < 0.01 (one-sample t-test, 4 degrees of freedom), the speedrun's rule for a record.
+4. The search, per mode, on a grid of 100 steps: first M = 1000 (records/prose_v3's budget); then bisection
+   between the longest failing M (0 at first) and the shortest passing one (N at first), the midpoint rounded
+   down to the grid, until they are 100 steps apart; N itself is probed only when everything below it failed.
+   The mode's steps to target is its shortest passing M.
+5. Time to target: M x the mode's step time over N x vanilla's, the step times' ratio measured in one quiet run
+   (OUT/step_time.txt: experiments/cp_cost.py step_time, the runs' configuration, the three modes alternated).
+Each mode runs at its best learning-rate scale of the 1000-step sweeps (records/prose_v3, SCALES).
+"""
+import datetime
+import json
+import os
+import re
+import sys
+import time
+import subprocess
+
+import numpy as np
+import torch
+
+from cli import ROOT, OneLineParser  # experiments/cli.py
+import race  # noqa: E402  (experiments/race.py: the prose corpus's flags, continuation of a stopped run)
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import compare  # noqa: E402  (tools/compare.py: log parsing and the t distribution)
+import train_gpt_cplm as tg  # noqa: E402
+
+SEEDS = ("0", "1", "2", "3", "4")
+GRID = 100
+FIRST_PROBE = 1000
+P_RECORD = 0.01
+# each mode's best scale of the learning rates in the 1000-step sweeps on the pinned corpus, seed 0
+# (records/prose_v3: vanilla 0.25 / 0.5 / 1 / 2, CPLM 0.5 / 1 / 2, the sentinel 0.25 / 0.5 / 1 / 2)
+SCALES = {"vanilla": "0.5", "cplm": "1", "sentinel": "1"}
+MODE_FLAGS = {"vanilla": ["--cplm", "0"], "cplm": ["--cplm", "1"],
+              "sentinel": ["--cplm", "1", "--copy_gate", "sentinel"]}
+# validation on the first 32Ki val tokens every 250 steps and at the end; a checkpoint every 250 steps (a stopped
+# run resumes from it) and at the end (the test slice scores it); only the newest kept
+BUDGET = race.prose_data(8192) + ["--val_seq_len", "1024", "--val_loss_every", "250", "--val_tokens", "32768",
+                                  "--compile", "1", "--checkpoint_every", "250", "--keep_checkpoints", "1",
+                                  "--save_checkpoint", "1"]
+RECORD_STEPS, RECORD_TOKENS_PER_STEP = 1770, 8 * 48 * 1024  # the 2025-01-26 record
+
+
+def non_embedding_parameters(preset, vocab_size):
+    """The vanilla model's parameters outside the embedding tables and the LM head (the usual count)."""
+    hp = tg.parse_args(["--preset", preset, "--cplm", "0", "--vocab_size", str(vocab_size),
+                        "--bos_id", str(vocab_size - 1)])
+    with torch.device("meta"):  # counts only: no memory
+        model = tg.GPT(tg.GPTConfig.from_args(hp))
+    return hp, sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name)
+
+
+def matched_steps():
+    """(N, record's tokens per parameter, the cpu preset's parameters): the cpu preset's steps that give it the
+    record's tokens per non-embedding parameter."""
+    _, record_params = non_embedding_parameters("speedrun", tg.GPT2_VOCAB_SIZE)
+    cpu, cpu_params = non_embedding_parameters("cpu", 8192)
+    per_param = RECORD_STEPS * RECORD_TOKENS_PER_STEP / record_params
+    return round(per_param * cpu_params / cpu.batch_size), per_param, cpu_params, record_params
+
+
+def run_id(mode, steps, seed):
+    return f"{mode}_lr{SCALES[mode]}_n{steps}_s{seed}"
+
+
+def log_of(out, rid):
+    return os.path.join(ROOT, out, "logs", rid + ".txt")
+
+
+def finals(out, mode, steps):
+    """{seed: final val loss} of the finished runs of mode at this many steps."""
+    losses = {s: race.final_val_loss(log_of(out, run_id(mode, steps, s))) for s in SEEDS}
+    return {s: x for s, x in losses.items() if x is not None}
+
+
+def read_target(out):
+    path = os.path.join(ROOT, out, "target.json")
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def fix_target(out, n):
+    """Writes OUT/target.json once vanilla's five runs at N have finished; returns the target (or None)."""
+    fixed = read_target(out)
+    if fixed:
+        return fixed
+    losses = finals(out, "vanilla", n)
+    if len(losses) < len(SEEDS):
+        return None
+    mean, sd = compare.mean_std(list(losses.values()))
+    fixed = {"target": mean, "sd": sd, "steps": n, "finals": losses,
+             "fixed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "rule": "the mean final val loss of vanilla at N over seeds 0-4, fixed before any other mode was read"}
+    tmp = os.path.join(ROOT, out, "target.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(fixed, f, indent=1)
+    os.replace(tmp, os.path.join(ROOT, out, "target.json"))
+    return fixed
+
+
+def probe_result(losses, target):
+    test = compare.one_sided_ttest_below(list(losses.values()), target)
+    mean, sd = compare.mean_std(list(losses.values()))
+    p = test["p"]  # None when the five losses are equal: no evidence either way, no pass
+    return {"mean": mean, "sd": sd, "p": p, "passed": p is not None and mean < target and p < P_RECORD}
+
+
+def search(out, mode, n, target):
+    """The rule's search for one mode: (probes {M: result}, next M to run or None, steps to target or None,
+    longest failing M). next M is FIRST_PROBE until the target is fixed (its result is not read before)."""
+    probes, lo, hi = {}, 0, None
+    m = FIRST_PROBE
+    while True:
+        losses = finals(out, mode, m)
+        if len(losses) < len(SEEDS) or target is None:
+            return probes, m, None, lo
+        probes[m] = {**probe_result(losses, target["target"]), "finals": losses}
+        if probes[m]["passed"]:
+            hi = m
+        else:
+            lo = m
+        if hi is not None and hi - lo <= GRID:
+            return probes, None, hi, lo
+        upper = hi if hi is not None else n
+        if lo >= n:  # N itself failed: no schedule up to N meets the target
+            return probes, None, None, lo
+        m = lo + GRID * ((upper - lo) // (2 * GRID))
+        if m <= lo:  # less than two grid steps below N: N itself
+            m = n
+
+
+def wanted(out, n):
+    """The runs the rule asks for now, in order: vanilla's at N, then each mode's probe, seeds interleaved."""
+    target = fix_target(out, n)
+    runs = [("vanilla", n, s) for s in SEEDS if s not in finals(out, "vanilla", n)]
+    probes = {mode: search(out, mode, n, target)[1] for mode in ("cplm", "sentinel")}
+    done = {mode: finals(out, mode, m) for mode, m in probes.items() if m is not None}
+    runs += [(mode, probes[mode], s) for s in SEEDS for mode in probes
+             if probes[mode] is not None and s not in done[mode]]
+    return runs
+
+
+def command(out, mode, steps, seed):
+    rid = run_id(mode, steps, seed)
+    log_dir = os.path.join(out, "logs")
+    return [sys.executable, "train_gpt_cplm.py", "--preset", "cpu", *MODE_FLAGS[mode],
+            *race.scaled_lrs(SCALES[mode]), *BUDGET, "--num_iterations", str(steps), "--seed", seed,
+            "--data_seed", seed, "--run_id", rid, "--log_dir", log_dir, *race.continuation(log_dir, rid)]
+
+
+def run(args, n):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    running, failed, t0 = {}, set(), time.time()
+    while True:
+        for rid, proc in list(running.items()):
+            if proc.poll() is not None:
+                del running[rid]
+                print(f"[{time.time() - t0:6.0f}s] {rid} ended ({proc.returncode})", flush=True)
+                if proc.returncode:
+                    failed.add(rid)
+        todo = [r for r in wanted(args.out, n) if run_id(*r) not in running and run_id(*r) not in failed]
+        while todo and len(running) < args.jobs:
+            mode, steps, seed = todo.pop(0)
+            print(f"[{time.time() - t0:6.0f}s] start {run_id(mode, steps, seed)}", flush=True)
+            running[run_id(mode, steps, seed)] = subprocess.Popen(command(args.out, mode, steps, seed), cwd=ROOT,
+                                                                  env=env, stdout=subprocess.DEVNULL)
+        if not running:
+            break
+        time.sleep(5)
+    if failed:
+        print(f"speedrun.py: {len(failed)} run(s) failed (their logs end with why): {', '.join(sorted(failed))}",
+              file=sys.stderr)
+        return 1
+    return report(args, n)
+
+
+def step_ratios(out):
+    """{mode: step time over vanilla's} from OUT/step_time.txt (cp_cost.py step_time's JSON line), or {}."""
+    path = os.path.join(ROOT, out, "step_time.txt")
+    if not os.path.exists(path):
+        return {}
+    line = next(x for x in open(path).read().splitlines() if x.startswith("{"))
+    measured = json.loads(line)
+    return {mode: (measured[f"ratio_{mode}"], *measured[f"pair_ratio_quartiles_{mode}"])
+            for mode in ("cplm", "sentinel") if f"ratio_{mode}" in measured}
+
+
+EQUIVALENCE_MARGIN = 0.02  # nats per token: "no better than the sentinel" needs the interval inside +- this
+
+
+def bootstrap_gap(a, b, targets, draws=10000, seed=0):
+    """Mean over seeds of (sum over documents of a - b) / (their targets), a and b (seeds, documents) nll sums of
+    the same seeds and documents; and its 95% interval by a two-level bootstrap: seeds and documents resampled
+    independently with replacement, `draws` times (percentile interval)."""
+    a, b, targets = (np.asarray(x, dtype=np.float64) for x in (a, b, targets))
+    diff = a - b
+    point = float((diff.sum(1) / targets.sum()).mean())
+    rng = np.random.default_rng(seed)
+    n_seeds, n_docs = diff.shape
+    gaps = np.empty(draws)
+    for i in range(draws):
+        seeds, docs = rng.integers(0, n_seeds, n_seeds), rng.integers(0, n_docs, n_docs)
+        gaps[i] = (diff[np.ix_(seeds, docs)].sum(1) / targets[docs].sum()).mean()
+    return point, [float(x) for x in np.percentile(gaps, [2.5, 97.5])]
+
+
+def heads_at_equal_schedules(out, n):
+    """CPLM against the sentinel on the test slice (OUT/test_slice.json), at every M both ran on all seeds: the
+    gap sentinel - CPLM in nats per token, over all targets, copyable ones and the others, with its interval."""
+    path = os.path.join(ROOT, out, "test_slice.json")
+    if not os.path.exists(path):
+        return []
+    final = {}  # (mode, M, seed) -> the record of the run's final checkpoint
+    for r in json.load(open(path))["records"]:
+        m = re.fullmatch(r"(cplm|sentinel|vanilla)_lr[\d.]+_n(\d+)_s(\d+)", r["run_id"])
+        if m and r["step"] == int(m[2]) and "per_document" in r["test"]:
+            final[(m[1], int(m[2]), m[3])] = r
+    rows = []
+    for steps in sorted({k[1] for k in final if k[0] == "cplm"}):
+        if not all((mode, steps, s) in final for mode in ("cplm", "sentinel") for s in SEEDS):
+            continue
+        doc = {mode: [final[(mode, steps, s)]["test"]["per_document"] for s in SEEDS] for mode in ("cplm", "sentinel")}
+        row = {"steps": steps, "seeds": len(SEEDS), "documents": len(doc["cplm"][0]["nll"])}
+        for part, (key, count) in {"all": ("nll", "targets"), "copyable": ("nll_copyable", "copyable")}.items():
+            targets = doc["cplm"][0][count]
+            row[part] = bootstrap_gap([d[key] for d in doc["sentinel"]], [d[key] for d in doc["cplm"]], targets)
+        other = lambda d: np.subtract(d["nll"], d["nll_copyable"])  # noqa: E731
+        row["other"] = bootstrap_gap([other(d) for d in doc["sentinel"]], [other(d) for d in doc["cplm"]],
+                                     np.subtract(doc["cplm"][0]["targets"], doc["cplm"][0]["copyable"]))
+        lo, hi = row["all"][1]
+        row["verdict"] = ("CPLM ahead" if lo > 0 else "the sentinel ahead" if hi < 0 else
+                          f"equivalent within {EQUIVALENCE_MARGIN}" if -EQUIVALENCE_MARGIN < lo and hi < EQUIVALENCE_MARGIN
+                          else "unresolved")
+        rows.append(row)
+    return rows
+
+
+def report(args, n):
+    """OUT/speedrun.md and OUT/speedrun.json: the target, every probe, each mode's steps and time to target."""
+    _, per_param, cpu_params, record_params = matched_steps()
+    target = read_target(args.out)
+    vanilla = finals(args.out, "vanilla", n)
+    ratios = step_ratios(args.out)
+    result = {"N": n, "tokens_per_parameter": per_param, "cpu_non_embedding_parameters": cpu_params,
+              "record_non_embedding_parameters": record_params, "vanilla_finals": vanilla, "target": target,
+              "scales": SCALES, "step_time_ratios": ratios, "modes": {}}
+    lines = [f"# The CPU speedrun: `python experiments/speedrun.py report --out {args.out}`", "",
+             f"N = {n} steps of 2048 tokens: the record's {per_param:.2f} tokens per non-embedding parameter "
+             f"({RECORD_STEPS} x {RECORD_TOKENS_PER_STEP:,} tokens / {record_params:,}) times the cpu preset's "
+             f"{cpu_params:,}.", ""]
+    if target:
+        lines += [f"Target: {target['target']:.4f} (vanilla at N, mean of seeds "
+                  f"{', '.join(sorted(target['finals']))}; sd {target['sd']:.4f}; fixed {target['fixed_at']})", ""]
+    else:
+        lines += [f"Target: not fixed yet (vanilla at N has finished seeds {', '.join(sorted(vanilla)) or 'none'})", ""]
+    lines += ["| mode | M (steps) | seeds | mean final val loss ± sd | one-sided p (below target) | passes |",
+              "|---|---|---|---|---|---|"]
+    if vanilla:
+        m, sd = compare.mean_std(list(vanilla.values()))
+        lines.append(f"| vanilla | {n} | {len(vanilla)} | {m:.4f} ± {sd or 0:.4f} | | (the target) |")
+    for mode in ("cplm", "sentinel"):
+        probes, nxt, steps, lo = search(args.out, mode, n, target)
+        record = {"probes": probes, "next": nxt, "steps_to_target": steps, "longest_failing": lo}
+        for m, r in sorted(probes.items()):
+            lines.append(f"| {mode} | {m} | {len(r['finals'])} | {r['mean']:.4f} ± {r['sd']:.4f} | {'-' if r['p'] is None else format(r['p'], '.2g')} | "
+                         f"{'yes' if r['passed'] else 'no'} |")
+        if nxt is not None:
+            lines.append(f"| {mode} | {nxt} | {len(finals(args.out, mode, nxt))} (running) | | | |")
+        if steps is not None and mode in ratios:
+            r, q1, q3 = ratios[mode]
+            record["time_ratio"] = steps / n * r
+            record["time_ratio_bracket"] = [lo / n * q1, steps / n * q3]  # grid bracket x the ratio's quartiles
+        result["modes"][mode] = record
+    lines.append("")
+    for mode, record in result["modes"].items():
+        if record["steps_to_target"] is None:
+            state = "searching" if record["next"] is not None else "no M up to N met the target"
+            lines.append(f"- {mode}: {state}")
+            continue
+        line = (f"- {mode}: {record['steps_to_target']} steps to target ({record['steps_to_target'] / n:.3f} N; "
+                f"{record['longest_failing']} failed)")
+        if "time_ratio" in record:
+            r = ratios[mode][0]
+            line += (f"; step time {r:.3f}x vanilla's, time to target {record['time_ratio']:.3f}x vanilla's "
+                     f"(between {record['time_ratio_bracket'][0]:.3f} and {record['time_ratio_bracket'][1]:.3f}: "
+                     "the grid's bracket times the step ratio's quartiles)")
+        lines.append(line)
+    result["heads"] = heads_at_equal_schedules(args.out, n)
+    if result["heads"]:
+        lines += ["", "CPLM against the pointer sentinel at equal schedules, on the test slice (`test_slice.json`): "
+                  "the gap sentinel - CPLM in nats per token, mean over seeds, [95% interval: seeds and documents "
+                  "resampled, 10,000 draws]:", "",
+                  "| M | seeds | documents | all targets | copyable | other | verdict |", "|---|---|---|---|---|---|---|"]
+        gap = lambda g: f"{g[0]:+.4f} [{g[1][0]:+.4f}, {g[1][1]:+.4f}]"  # noqa: E731
+        lines += [f"| {r['steps']} | {r['seeds']} | {r['documents']} | {gap(r['all'])} | {gap(r['copyable'])} | "
+                  f"{gap(r['other'])} | {r['verdict']} |" for r in result["heads"]]
+    with open(os.path.join(ROOT, args.out, "speedrun.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(ROOT, args.out, "speedrun.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv=None):
+    p = OneLineParser(prog="speedrun.py", description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["run", "report"])
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out", default="records/cpu_speedrun")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1 (got {args.jobs})")
+    if not os.path.exists(os.path.join(ROOT, "data/prose8192/prose8192_val_000000.bin")):
+        print("speedrun.py: error: no prose corpus of V = 8192: build it with `bash data/build_prose_corpus.sh`",
+              file=sys.stderr)
+        return 1
+    os.makedirs(os.path.join(ROOT, args.out, "logs"), exist_ok=True)
+    n = matched_steps()[0]
+    return run(args, n) if args.what == "run" else report(args, n)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
