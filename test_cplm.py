@@ -2596,7 +2596,7 @@ if os.environ["FAKE_SHARD"]:  # empty: this build writes no V = 8192 shard (anot
 """
 
 
-def _run_build(tmp_path, *args, has_pin="pinned", shard="the corpus", pins=None):
+def _run_build(tmp_path, *args, has_pin="pinned", shard="the corpus", pins=None, mirror=None):
     data, bin_dir, fake_py = tmp_path / "data", tmp_path / "bin", tmp_path / "py" / "tokenizers"
     for d in (data, bin_dir, fake_py):
         d.mkdir(parents=True, exist_ok=True)
@@ -2614,7 +2614,8 @@ def _run_build(tmp_path, *args, has_pin="pinned", shard="the corpus", pins=None)
         (bin_dir / tool).chmod(0o755)
     (tmp_path / "apt.txt").unlink(missing_ok=True)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(fake_py.parent),
-           "FAKE_LOG": str(tmp_path / "apt.txt"), "FAKE_HAS_PIN": has_pin, "FAKE_SHARD": shard}
+           "FAKE_LOG": str(tmp_path / "apt.txt"), "FAKE_HAS_PIN": has_pin, "FAKE_SHARD": shard,
+           "PROSE_DEBIAN_MIRROR": mirror or (tmp_path / "no_mirror").as_uri()}
     r = subprocess.run(["bash", str(data / "build_prose_corpus.sh"), *args], capture_output=True, text=True,
                        timeout=60, env=env)
     calls = (tmp_path / "apt.txt").read_text().splitlines() if (tmp_path / "apt.txt").exists() else []
@@ -2644,7 +2645,8 @@ def test_the_prose_builder_refuses_what_is_not_the_pinned_package_in_one_line(tm
     (tmp_path / "data/prose/debs/docpkg_1.0_all.deb").write_text("changed")  # not the pinned bytes: fetched again
     r, calls = _run_build(tmp_path, has_pin="")
     assert r.returncode == 1 and "apt-get download -q docpkg=1.0" in calls
-    assert_one_line(r.stderr, "apt-get cannot download docpkg 1.0", "snapshot.debian.org/binary/docpkg/", "--latest")
+    assert_one_line(r.stderr, "neither apt-get nor Debian's pool has docpkg 1.0", "snapshot.debian.org/binary/docpkg/",
+                    "--latest")
     assert "prose_corpus.py" not in r.stdout  # nothing built
     r, _ = _run_build(tmp_path, has_pin="other bytes")  # the archive's file is not the pinned one
     assert r.returncode == 1 and "prose_corpus.py" not in r.stdout
@@ -2655,6 +2657,32 @@ def test_the_prose_builder_refuses_what_is_not_the_pinned_package_in_one_line(tm
     r, calls = _run_build(tmp_path, "--latest")  # today's packages: the first alternative apt knows, its version
     assert r.returncode == 0 and "apt-get download -q docpkg-new=9.9" in calls, r.stderr
     assert "prose_corpus.py\n" in r.stdout and "pinned corpus" not in r.stdout  # --latest is not passed on
+
+
+def test_the_prose_builder_takes_a_pin_apt_has_dropped_from_debians_pool(tmp_path):
+    """On 2026-12-03 apt's lists no longer had four of the sixteen pinned versions (superseded security updates),
+    which Debian's pool still served: the builder fetches the pin from its place there and checks its sha256."""
+    sha = hashlib.sha256(b"pinned").hexdigest()
+    pins = (f"docpkg 1.0 {sha} debian-security/pool/updates/main/d/docsrc/docpkg_1.0_all.deb\n"
+            f"shard prose8192/prose8192_train_000000.bin {hashlib.sha256(b'the corpus').hexdigest()}\n")
+    pool = tmp_path / "mirror/debian-security/pool/updates/main/d/docsrc"
+    pool.mkdir(parents=True)
+    (pool / "docpkg_1.0_all.deb").write_text("pinned")
+    mirror = (tmp_path / "mirror").as_uri()
+    r, calls = _run_build(tmp_path, has_pin="", pins=pins, mirror=mirror)  # apt: "Version '1.0' was not found"
+    assert r.returncode == 0 and "apt-get download -q docpkg=1.0" in calls, r.stderr
+    assert "docs: downloaded docpkg_1.0_all.deb" in r.stdout and "the pinned corpus's" in r.stdout
+    assert (tmp_path / "data/prose/root/docpkg/docpkg_1.0_all.deb").read_text() == "pinned"
+    (pool / "docpkg_1.0_all.deb").write_text("other bytes")  # the pool's file is not the pinned one: refused
+    shutil.rmtree(tmp_path / "data/prose")
+    r, _ = _run_build(tmp_path, has_pin="", pins=pins, mirror=mirror)
+    assert r.returncode == 1 and "prose_corpus.py" not in r.stdout
+    assert_one_line(r.stderr, "Debian's pool's docpkg_1.0_all.deb has sha256", "not the pinned")
+    assert not (tmp_path / "data/prose/debs/docpkg_1.0_all.deb").exists()  # not kept to be taken later
+    (pool / "docpkg_1.0_all.deb").unlink()  # gone from the pool too: snapshot.debian.org, in one line
+    r, _ = _run_build(tmp_path, has_pin="", pins=pins, mirror=mirror)
+    assert r.returncode == 1
+    assert_one_line(r.stderr, "neither apt-get nor Debian's pool has docpkg 1.0", "snapshot.debian.org")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -54,6 +54,25 @@ need_apt() {  # only when a .deb has to be looked up or downloaded: pinned .debs
     apt_ready=1
 }
 pin() { tr -d '\r' < "$PINS" | awk -v p="$1" '!/^#/ && $1 == p {print $2, $3}'; }
+pool_path() { tr -d '\r' < "$PINS" | awk -v p="$1" '!/^#/ && $1 == p {print $4}'; }
+from_pool() {  # the pinned .deb from its place in Debian's pool, when apt's lists have dropped its version
+    local path url
+    path=$(pool_path "$pkg")
+    [ -n "$path" ] || return 0
+    url="${PROSE_DEBIAN_MIRROR:-http://deb.debian.org}/$path"
+    python3 - "$url" "$WORK/debs/$(basename "$path")" <<'PY' || true
+import shutil, sys, urllib.request
+url, dest = sys.argv[1:]
+try:
+    with urllib.request.urlopen(url, timeout=60) as r, open(dest + ".part", "wb") as f:
+        shutil.copyfileobj(r, f)
+except OSError as e:
+    print(f"  not in Debian's pool either ({url}: {e})")
+    sys.exit(1)
+import os
+os.replace(dest + ".part", dest)
+PY
+}
 sha_of() { sha256sum "$1" | cut -d' ' -f1; }
 matching_deb() {  # the .deb of $pkg here with the pinned sha256 (pinned) or apt's version (--latest)
     for f in "$WORK/debs/${pkg}_"*.deb; do
@@ -99,9 +118,17 @@ while read -r src group; do
             got=$(ls "$WORK/debs/${pkg}_${version//:/%3a}_"*.deb 2>/dev/null | head -n 1 || true)
             [ "$fetched" = 0 ] || [ -z "$got" ] \
                 || die "source $src: apt's $(basename "$got") has sha256 $(sha_of "$got"), not the pinned $sha"
-            die "source $src: apt-get cannot download $pkg $version (Debian's archive moved on): put \
-${pkg}_${version#*:}_*.deb from https://snapshot.debian.org/binary/$pkg/ into $WORK/debs/, or build from \
-today's packages with --latest (another corpus than records/')"
+            from_pool
+            deb=$(matching_deb)
+            pooled="$WORK/debs/$(basename "$(pool_path "$pkg")")"
+            if [ -z "$deb" ] && [ -n "$(pool_path "$pkg")" ] && [ -f "$pooled" ]; then
+                sum=$(sha_of "$pooled")
+                rm -f "$pooled"
+                die "source $src: Debian's pool's $(basename "$pooled") has sha256 $sum, not the pinned $sha"
+            fi
+            [ -n "$deb" ] || die "source $src: neither apt-get nor Debian's pool has $pkg $version (the archive \
+moved on): put ${pkg}_${version#*:}_*.deb from https://snapshot.debian.org/binary/$pkg/ into $WORK/debs/, or \
+build from today's packages with --latest (another corpus than records/')"
         fi
         [ -n "$deb" ] || die "source $src: apt-get download $pkg=$version failed"
         echo "$src: downloaded $(basename "$deb") ($(du -h "$deb" | cut -f1))"
