@@ -259,10 +259,49 @@ def test_cli_bits_per_byte_over_test_documents(tmp_path, capsys):
             assert ts.main([str(path), "--out", str(out), "--keep_done", "1", *slice_args]) == 0
     finally:
         ts.evaluate_checkpoint = real
-    assert [c[3] for c in calls] == [None, (6, 12), (6, 11)]  # each scored anew on a slice of its own
+    # each slice's scores stay beside the others': 6:12 is never scored again
+    assert [c[3] for c in calls] == [None, (6, 11)]
+    slices = [tuple(r["slice"]) for r in json.loads((tmp_path / "slice.json").read_text())["records"]]
+    assert len(slices) == 3 and set(slices) == {("documents", 6, 12), (400, 300), ("documents", 6, 11)}
     with pytest.raises(SystemExit) as usage:
         ts.main([str(path), "--test_documents", "6:5", "--out", str(out)])
     assert usage.value.code == 2 and "FIRST:END" in capsys.readouterr().err
+
+
+def test_keep_done_names_a_checkpoint_once_drops_rewritten_ones_and_skips_rotated_ones(tmp_path, monkeypatch, capsys):
+    """A hostile tester's: relative paths from outside the repository doubled every record on each rerun; an
+    overwritten run's old scores stayed beside the new ones; a checkpoint rotated away mid-scoring was a
+    traceback that left the rest unscored."""
+    toy_val_split(tmp_path, seed=0)
+    paths = [tiny_checkpoint(tmp_path, cplm) for cplm in (0, 1)]
+    monkeypatch.chdir(tmp_path)  # outside the repository, relative paths
+    argv = ["logs/tiny0", "logs/tiny1", "--test_start", "400", "--test_tokens", "300", "--out", "slice",
+            "--keep_done", "1"]
+    for _ in range(2):
+        assert ts.main(argv) == 0
+    records = json.loads((tmp_path / "slice.json").read_text())["records"]
+    assert sorted(r["checkpoint"] for r in records) == sorted(str(p) for p in paths)  # once each, one name
+    old_loss = next(r for r in records if r["mode"] == "vanilla")["test"]["loss"]
+    model = ts.inference.load_model(str(paths[0]))[0]  # the run is overwritten: other weights, same path
+    state = ts.torch.load(paths[0], weights_only=True)
+    state["model"]["lm_head.weight"] = state["model"]["lm_head.weight"] * 0.5
+    state["digest"] = ts.run_files.tensor_digest([state["model"], state["optimizers"],
+                                                 ts.run_files.checkpoint_scalars(state)])
+    ts.torch.save(state, paths[0])
+    del model
+    assert ts.main(["logs/tiny1", *argv[2:]]) == 0  # scores only the other: the rewritten one's old score goes
+    records = json.loads((tmp_path / "slice.json").read_text())["records"]
+    assert [r["mode"] for r in records] == ["cplm"]
+    assert ts.main(argv) == 0
+    records = json.loads((tmp_path / "slice.json").read_text())["records"]
+    assert len(records) == 2 and next(r for r in records if r["mode"] == "vanilla")["test"]["loss"] != old_loss
+    real = ts.evaluate_checkpoint
+    monkeypatch.setattr(ts, "evaluate_checkpoint",  # the run rotates tiny1's checkpoint away meanwhile
+                        lambda path, *a: (paths[1].unlink(missing_ok=True), real(path, *a))[1])
+    capsys.readouterr()
+    assert ts.main(argv[:2] + argv[2:-2]) == 0  # without --keep_done: tiny0 is scored, tiny1 is gone by its turn
+    assert "is gone (rotated away" in capsys.readouterr().err
+    assert [r["mode"] for r in json.loads((tmp_path / "slice.json").read_text())["records"]] == ["vanilla"]
 
 
 def test_markdown_means_over_the_seeds_of_one_configuration():

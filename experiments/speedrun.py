@@ -1,8 +1,8 @@
 """The CPU speedrun (records/cpu_speedrun): vanilla, CPLM and the pointer sentinel raced to a target validation
 loss as the speedrun claims a record, at the 2025-01-26 record's tokens per non-embedding parameter.
 
-    python experiments/speedrun.py run [--jobs 2] [--out records/cpu_speedrun]   # the runs the rule asks for next
-    python experiments/speedrun.py report [--out records/cpu_speedrun]           # OUT/speedrun.md and .json
+    python experiments/speedrun.py run [--jobs 2] [--max_steps M] [--out OUT]   # the runs the rule asks for next
+    python experiments/speedrun.py report [--out OUT]            # OUT/speedrun.md and .json (records/cpu_speedrun)
 
 `run` starts every run the rule below asks for, --jobs at a time (one thread each), and keeps asking until the
 rule has nothing more to run; stopped, it continues where it was (finished runs are read from their logs, a
@@ -174,7 +174,8 @@ def run(args, n):
                 print(f"[{time.time() - t0:6.0f}s] {rid} ended ({proc.returncode})", flush=True)
                 if proc.returncode:
                     failed.add(rid)
-        todo = [r for r in wanted(args.out, n) if run_id(*r) not in running and run_id(*r) not in failed]
+        todo = [r for r in wanted(args.out, n) if run_id(*r) not in running and run_id(*r) not in failed
+                and r[1] <= (args.max_steps or n)]
         while todo and len(running) < args.jobs:
             mode, steps, seed = todo.pop(0)
             print(f"[{time.time() - t0:6.0f}s] start {run_id(mode, steps, seed)}", flush=True)
@@ -323,9 +324,11 @@ def main(argv=None):
     p.add_argument("what", choices=["run", "report"])
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default="records/cpu_speedrun")
+    p.add_argument("--max_steps", type=int, default=0,
+                   help="run: start only runs of at most this many steps (what fits the time a session has left)")
     args = p.parse_args(argv)
-    if args.jobs < 1:
-        p.error(f"--jobs must be >= 1 (got {args.jobs})")
+    if args.jobs < 1 or args.max_steps < 0:
+        p.error(f"--jobs must be >= 1 and --max_steps >= 0 (got {args.jobs}, {args.max_steps})")
     if not os.path.exists(os.path.join(ROOT, "data/prose8192/prose8192_val_000000.bin")):
         print("speedrun.py: error: no prose corpus of V = 8192: build it with `bash data/build_prose_corpus.sh`",
               file=sys.stderr)

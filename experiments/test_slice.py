@@ -221,10 +221,25 @@ def per_document(sums, cached=False):
             "nll": [round(x, 6) for x in nll], "nll_copyable": [round(x, 6) for x in nll_copyable]}
 
 
-def file_id(path):
-    """Size and modification time: a checkpoint rewritten since it was scored (another run, --overwrite) differs."""
-    st = os.stat(path)
+def file_id(path, missing=None):
+    """Size and modification time: a checkpoint rewritten since it was scored (another run, --overwrite) differs.
+    A file that is gone: `missing`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None if missing is None else list(missing)
     return [st.st_size, st.st_mtime_ns]
+
+
+def checkpoint_name(path):
+    """How a record names its checkpoint: relative to the repository inside it, else absolute (so that the same
+    file has one name from whatever folder the script runs)."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full, ROOT) if full.startswith(ROOT + os.sep) else full
+
+
+def on_disk(name):
+    return name if os.path.isabs(name) else os.path.join(ROOT, name)
 
 
 def slice_key(test_start, test_tokens, documents):
@@ -246,7 +261,7 @@ def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
         raise EvalError(f"{path}: the slice holds token ids that the corpus's tokenizer.json lacks")
     n_bytes = int(lengths[test[1:]].sum()) if lengths is not None else None
     mode = mode_of(hp)
-    record = {"checkpoint": os.path.relpath(path, ROOT) if path.startswith(ROOT) else path, "run_id": hp.run_id,
+    record = {"checkpoint": checkpoint_name(path), "run_id": hp.run_id,
               "step": step, "mode": mode, "seed": hp.seed, "vocab_size": hp.vocab_size,
               "test_documents": n_documents, "file": file_id(path),
               "slice": slice_key(test_start, test_tokens, documents), "scored_by": SCORED_BY}
@@ -386,23 +401,41 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     command = "python experiments/test_slice.py " + " ".join(argv if argv is not None else sys.argv[1:])
     records, done = [], {}
+    this_slice = tuple(slice_key(args.test_start, args.test_tokens, documents))
+    try:
+        paths = expand(args.checkpoints)
+    except EvalError as e:
+        print(f"test_slice.py: error: {e}", file=sys.stderr)
+        return 1
     if args.keep_done and os.path.isfile(args.out + ".json"):
         try:
             done = {(r["checkpoint"], tuple(r["file"]), tuple(r["slice"])): r  # older records: scored again
                     for r in json.load(open(args.out + ".json"))["records"] if "file" in r and "slice" in r}
-            # scores of checkpoints gone from disk since (rotated away by --keep_checkpoints) stay: nothing to redo
-            this_slice = tuple(slice_key(args.test_start, args.test_tokens, documents))
-            records = [r for (name, _, slice_), r in done.items() if slice_ == this_slice
-                       and not os.path.exists(name if os.path.isabs(name) else os.path.join(ROOT, name))]
         except (ValueError, KeyError, TypeError) as e:
             print(f"test_slice.py: error: --keep_done: {args.out}.json is not this script's output ({e})",
                   file=sys.stderr)
             return 1
+        # every other score stays (other slices, checkpoints not named now or rotated away since), except one of
+        # bytes that are gone: a checkpoint rewritten since it was scored (an overwritten run)
+        now = {(checkpoint_name(p), this_slice) for p in paths}
+        records = [r for (name, file, slice_), r in done.items()
+                   if (name, slice_) not in now and file_id(on_disk(name), missing=file) == list(file)]
     try:
-        for path in expand(args.checkpoints):
-            name = os.path.relpath(path, ROOT) if path.startswith(ROOT) else path
-            key = (name, tuple(file_id(path)), tuple(slice_key(args.test_start, args.test_tokens, documents)))
-            records.append(done.get(key) or evaluate_checkpoint(path, args.test_start, args.test_tokens, documents))
+        for path in paths:
+            if not os.path.exists(path):  # a live run's checkpoint rotated away before its turn
+                print(f"test_slice.py: {path} is gone (rotated away by its run while others were scored): skipped",
+                      file=sys.stderr)
+                continue
+            key = (checkpoint_name(path), tuple(file_id(path, missing=[-1, -1])), this_slice)
+            try:
+                records.append(done.get(key) or evaluate_checkpoint(path, args.test_start, args.test_tokens,
+                                                                    documents))
+            except (EvalError, tg.DataError):
+                if os.path.exists(path):
+                    raise
+                print(f"test_slice.py: {path} is gone (rotated away by its run while it was read): skipped",
+                      file=sys.stderr)
+                continue
             print(json.dumps(records[-1]), flush=True)
             for ext, text in ((".json", json.dumps({"command": command, "records": records}, indent=1)),
                               (".md", markdown(records, command))):  # after each checkpoint: nothing lost
