@@ -52,11 +52,13 @@ if [ "$gpus" -gt 0 ]; then  # (a CPU build of torch on a GPU machine runs the ra
     exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$gpus" train_gpt_cplm.py "$@"
 fi
 
-# no GPU: the race on CPU. It names, places and sets the mode of both runs itself: refuse those flags before
-# anything trains (passed on, they overrode it: CPLM trained twice, or compare found no logs after both runs)
+# no GPU: the race on CPU. It names, places and sets the mode of both runs itself, and starts both afresh: refuse
+# those flags before anything trains (passed on, they overrode it: CPLM trained twice, compare found no logs after
+# both runs, or one checkpoint was resumed into both runs' logs)
 for arg in "$@"; do
     case "$arg" in
-        --preset|--preset=*|--cplm|--cplm=*|--run_id|--run_id=*|--log_dir|--log_dir=*|--save_checkpoint|--save_checkpoint=*)
+        --preset|--preset=*|--cplm|--cplm=*|--run_id|--run_id=*|--log_dir|--log_dir=*|--save_checkpoint|--save_checkpoint=*\
+        |--resume|--resume=*|--overwrite|--overwrite=*)
             echo "run.sh: the CPU race sets ${arg%%=*} itself; to choose it, run train_gpt_cplm.py directly" >&2
             exit 2;;
     esac

@@ -2195,7 +2195,8 @@ def test_run_sh_installs_the_cpu_torch_only_where_none_is_installed(tmp_path):
     assert not any("install torch" in c for c in calls), "a torch already there is never replaced"
 
 
-@pytest.mark.parametrize("flag", [["--cplm", "1"], ["--run_id", "foo"], ["--log_dir=X"], ["--preset", "speedrun"]])
+@pytest.mark.parametrize("flag", [["--cplm", "1"], ["--run_id", "foo"], ["--log_dir=X"], ["--preset", "speedrun"],
+                                  ["--resume", "logs/x/state_step000004.pt"], ["--overwrite=1"]])
 def test_run_sh_refuses_the_flags_the_race_sets(tmp_path, flag):
     """A hostile tester's: run.sh passed its arguments after its own flags, so they won: --cplm 1 trained CPLM
     twice (one log named _vanilla), --run_id foo had the CPLM run refused after vanilla trained, --log_dir made

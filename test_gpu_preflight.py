@@ -262,6 +262,18 @@ def test_first_call_without_data_says_how_to_make_it(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+def test_first_call_refuses_a_file_as_out_and_a_deadline_that_is_not_a_number(tmp_path):
+    """A hostile tester's: --out naming a file was a FileExistsError traceback, --deadline_s nan was accepted
+    (nothing would ever be killed at the deadline). One line each, exit 2, nothing started."""
+    (tmp_path / "a_file").write_text("x")
+    for args, words in ((["--out", str(tmp_path / "a_file")], "is a file"),
+                        (["--out", str(tmp_path / "out"), "--deadline_s", "nan"], "--deadline_s"),
+                        (["--out", str(tmp_path / "out"), "--deadline_s", "-5"], "--deadline_s")):
+        r = subprocess.run(FIRST_CALL + ["--dry_run", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+    assert (tmp_path / "a_file").read_text() == "x" and not (tmp_path / "out").exists()
+
+
 def test_first_call_packs_across_filesystems(tmp_path, monkeypatch):
     """Where the work folder and $OUT are on different filesystems (no rename between them), the tarball is
     copied in; $OUT still holds only the two files."""

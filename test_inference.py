@@ -402,9 +402,10 @@ def test_needle_cli_writes_table_json_and_heat_map(checkpoints, tmp_path, monkey
         monkeypatch.setattr(needle.inference, "generate", fake_generate)
         results = needle.run(model, codec, a, step, [160], 1, 0, "trained", a.val_files, log=lambda *_: None)
         assert np.mean([r["correct"] for r in results]) == expect
-    r = run_script("needle", path, "--contexts", "12x", capsys=capsys)
-    assert r.returncode == 2
-    assert_one_line(r.stderr, "--contexts")
+    for contexts in ("12x", "100000000"):  # the second grew to 3.6 GB in 12 s before it was bounded
+        r = run_script("needle", path, "--contexts", contexts, capsys=capsys)
+        assert r.returncode == 2
+        assert_one_line(r.stderr, "--contexts")
     # a hostile tester's: --out a file or --name with a path lost every result after the computation; now
     # refused before it
     (tmp_path / "a_file").write_text("x")
@@ -532,6 +533,9 @@ def test_copy_picture_cli_writes_html_and_png(checkpoints, tmp_path, capsys):
     r = run_script("copy_picture", checkpoints[1][0], "--text", tmp_path / "none.txt", capsys=capsys)
     assert r.returncode == 1
     assert_one_line(r.stderr, "none.txt")
+    r = run_script("copy_picture", checkpoints[1][0], "--text", text, "--out", text, capsys=capsys)  # a file
+    assert r.returncode == 2 and text.read_text() == "the cat and the cat <b>&</b>"
+    assert_one_line(r.stderr, "--out", "is a file")
 
 
 def test_training_script_has_no_generation_and_readme_lists_its_sections():

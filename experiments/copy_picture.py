@@ -45,6 +45,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.max_tokens < 2:
         p.error("--max_tokens must be >= 2")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # refused before the model is read
+        p.error(f"--out {args.out} is a file: it names a folder for the HTML and PNG")
     return args
 
 

@@ -43,6 +43,7 @@ import inference  # noqa: E402
 NEEDLE = " The magic number is {}."
 CUE = " What is the magic number? The magic number is"
 NUM_DEPTHS = 8
+MAX_CONTEXT = 262144  # 4 x the paper's longest needle context (64k); its filler pool, 8 contexts, is 2M tokens
 
 
 def parse_args(argv=None):
@@ -63,8 +64,9 @@ def parse_args(argv=None):
         args.contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
     except ValueError:
         p.error(f"--contexts takes token counts separated by commas, not {args.contexts!r}")
-    if any(c < 64 for c in args.contexts):
-        p.error("--contexts must be at least 64 tokens each (the needle and the cue need room)")
+    if any(c < 64 or c > MAX_CONTEXT for c in args.contexts):
+        p.error(f"--contexts must lie in 64..{MAX_CONTEXT} tokens each (the needle and the cue need room; the "
+                "filler pool is 8 contexts long)")
     if args.trials < 1 or args.seed < 0:
         p.error("--trials must be >= 1 and --seed >= 0")
     if args.name is not None and not re.fullmatch(r"[\w.-]+", args.name) or args.name in (".", ".."):

@@ -384,6 +384,13 @@ def main(argv=None):
     p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang, JOB:slow_compile or JOB:compile_hang, "
                                                  "comma-separated")
     args = p.parse_args(argv)
+    bad = ("--deadline_s must be a number of seconds in (0, 1e6), not " + str(args.deadline_s)
+           if not 0 < args.deadline_s < 1e6 else  # nan too: nothing would ever be killed at the deadline
+           f"--out {args.out} is a file: it names the folder report.txt and logs.tar.gz go into"
+           if os.path.exists(args.out) and not os.path.isdir(args.out) else None)
+    if bad:
+        print(f"first_call.py: error: {bad}", file=sys.stderr)
+        return 2
     problem = check_data(args.data)
     if problem:  # before anything is started or written
         print(f"first_call.py: error: {problem}; make them here (tiktoken has its GPT-2 files here, not on the GPU "
