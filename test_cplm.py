@@ -904,6 +904,11 @@ def test_shard_problems_stop_before_the_model_in_one_line(tmp_path):
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert "toy_train_000001.bin: holds token id 600, but --vocab_size is 500" in r.stderr
     assert not (tmp_path / "run.txt").exists()  # refused before the model: no log left to block the rerun
+    # a hostile tester's: a train glob that takes the validation shard too trained on it silently
+    (data / "toy_train_000001.bin").unlink()
+    r = run_cli(tiny_flags(data, tmp_path, train_files=f"{data}/toy_*.bin"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "share" in r.stderr and "toy_val_000000.bin" in r.stderr and not (tmp_path / "run.txt").exists()
     # a byte-level corpus states its vocabulary: it sets vocab_size and bos_id, and a different flag is refused
     for name, tokens in (("train", toy_corpus(8000, 0, vocab=200, bos=256)), ("val", toy_corpus(4000, 1, vocab=200, bos=256))):
         write_shard(data / f"bytes_{name}_000000.bin", tokens, vocab=257)

@@ -1361,6 +1361,8 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
     a = resolve_vocabulary(a)
     loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size, a.bos_id, a.data_seed)
     val_tokens = load_val_tokens(a.val_files, a.val_tokens, a.vocab_size)
+    if shared := set(map(os.path.realpath, loader.files)) & set(map(os.path.realpath, find_shards(a.val_files))):
+        raise DataError(f"--train_files and --val_files share {min(shared)}: the run would train on its validation set")
     grad_accum = a.batch_size // a.seq_len // world_size
     if checkpoint is not None:
         check_checkpoint_fits(a, checkpoint)
