@@ -196,6 +196,13 @@ def file_sha256(path, block=1 << 24):
     return h.hexdigest()
 
 
+def settings_digest(a):
+    """63 bits of a sha256 of the run's settings (the run_id aside: a rank may have drawn its own), which every
+    rank of a run must share."""
+    settings = {k: v for k, v in dataclasses.asdict(a).items() if k != "run_id"}
+    return int(hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:15], 16)
+
+
 def read_text(path):
     with open(path) as f:
         return f.read()

@@ -1176,6 +1176,25 @@ def test_one_and_two_processes_agree_with_the_default_thread_counts(tmp_path):
             np.testing.assert_allclose(a, b, rtol=1e-4, err_msg=f"cplm={cplm} {kind}")
 
 
+def test_ranks_started_with_different_flags_are_refused_together(toy_data, tmp_path):
+    """A hostile tester's: --lr_muon or --seq_len given to rank 1 only trained to exit 0 with wrong losses. The ranks
+    compare a digest of their settings after the rendezvous and all refuse, in one line, before anything trains."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank, extra in ((0, []), (1, ["--lr_muon", "0.01"])):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *tiny_flags(toy_data, tmp_path), *extra], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert "different settings" in outs[0][1] and outs[0][1].count("\n") == 1
+    assert not (tmp_path / "run.txt").exists()
+
+
 @pytest.mark.slow
 def test_a_stuck_rank_ends_the_job(toy_data, tmp_path):
     """Stop (not kill) one of two ranks mid-run: after --dist_timeout_s the other rank's collective fails and

@@ -1318,10 +1318,12 @@ def main(argv=None):
                                     device_id=device if device.type == "cuda" else None,
                                     timeout=datetime.timedelta(seconds=a.dist_timeout_s))
         refused = rank == 0 and run_lock is None
-        if distributed:  # every rank refuses together: none waits in a collective for a rank 0 that has gone
-            flag = torch.tensor(int(refused), device=device)
-            dist.all_reduce(flag)
-            refused = bool(flag.item())
+        if distributed:  # every rank refuses together (none waits for a rank 0 that has gone); so do unequal flags
+            flag = torch.tensor([int(refused), (d := run_files.settings_digest(a)), -d], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the ranks' digests agree iff max(d) == -max(-d)
+            if flag[1] != -flag[2]:
+                raise UsageError("the ranks were started with different settings: give every rank the same flags")
+            refused = bool(flag[0].item())
         if refused:
             raise UsageError(f"run {a.run_id} is training in another process on this machine: wait for it to end, "
                              "or choose another --run_id")
