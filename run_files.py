@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import subprocess
+import time
 
 import torch
 
@@ -29,8 +30,7 @@ class Logger:
     """Rank 0 writes logs/<run_id>.txt: the script's source, the environment, then the run's lines. A run that
     resumes its own checkpoint appends a "resumed" section to its log. A new run writes to a hidden temporary
     file, which takes the name logs/<run_id>.txt only at start(), after the first validation (with --overwrite,
-    the old run's checkpoints go at this run's first save): a refused or crashed start leaves an earlier run as
-    it was.
+    the old run's checkpoints are set aside then): a refused or crashed start leaves an earlier run as it was.
     sources: the files whose text heads a new log (the training script, then this file).
     undo() takes back what a refused run wrote."""
 
@@ -40,7 +40,6 @@ class Logger:
         self.resume_folder = os.path.realpath(os.path.dirname(a.resume)) if a.resume else None
         self.resume_step = checkpoint_step(a.resume)
         self.started = False
-        self.overwritten_gone = False  # --overwrite: the old run's checkpoints are removed once, at the first save
         self.size_before = None  # appending: the log's size before this run
         self.writing = self.path  # where lines go: the log itself, or the temporary file until start()
         if self.path:
@@ -80,17 +79,22 @@ class Logger:
                                      f"--run_id?); this run's log is {self.writing}")
                 os.remove(self.writing)
             self.writing = self.path
+        if overwrite and self.path:
+            self.set_aside_replaced_checkpoints()
 
-    def remove_overwritten_checkpoints(self, keep):
-        """--overwrite: the old run's checkpoints go at this run's first save; when it resumed its own run from
-        an earlier checkpoint, those after that one (the branch it abandoned)."""
-        if self.overwritten_gone:
-            return
-        self.overwritten_gone = True
+    def set_aside_replaced_checkpoints(self):
+        """--overwrite, once the log has taken the name: the replaced run's checkpoints (or, when this run resumed
+        its own from an earlier one, those after it: the branch it abandoned) move to <run>/replaced_<time>/, so
+        that none of them can continue a log it does not belong to; from there a --resume starts a new run."""
         own = os.path.realpath(self.run_folder) == self.resume_folder
-        for old in checkpoints_in(self.run_folder) if self.path else []:
-            if old not in keep and (not own or 0 <= self.resume_step < checkpoint_step(old)):
-                os.remove(old)
+        replaced = [old for old in checkpoints_in(self.run_folder)
+                    if not own or 0 <= self.resume_step < checkpoint_step(old)]
+        if replaced:
+            aside = os.path.join(self.run_folder, f"replaced_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}")
+            os.makedirs(aside, exist_ok=True)
+            for old in replaced:
+                os.replace(old, os.path.join(aside, os.path.basename(old)))
+            self(f"--overwrite: the replaced run's {len(replaced)} checkpoint(s) moved to {aside}")
 
     def undo(self, keep_if_new=False):
         """Takes back what a run that never started wrote. keep_if_new (a crash, not a refusal): a new run's log

@@ -951,7 +951,9 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     log = (tmp_path / "full.txt").read_text()
     assert log.count("def main(argv=None)") == 1 and "resumed from" in log  # one log, a section appended
     assert "removed" in log and not half.exists() and not abandoned.exists()
-    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["state_step000005.pt", "state_step000006.pt"]
+    assert sorted(p.name for p in (tmp_path / "full").glob("*.pt")) == ["state_step000005.pt", "state_step000006.pt"]
+    aside, = (tmp_path / "full").glob("replaced_*")  # the abandoned branch's, none of them resumable into this log
+    assert sorted(p.name for p in aside.iterdir()) == ["state_step000006.pt", "state_step000009.pt"]
     first, second = log.split("=" * 100 + "\n", 1)[1].split("=" * 100 + "\nresumed from")
     for kind in ("train_loss", "val_loss"):
         np.testing.assert_allclose(log_values_in(second, kind)[-1], log_values_in(first, kind)[-1], rtol=1e-6)
@@ -976,11 +978,11 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     # --keep_checkpoints counts the run's checkpoints, not one process's: continuing it to step 8 rotates 5 and 6 out
     r = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=tmp_path / "full" / "state_step000006.pt",
                            num_iterations=8, val_loss_every=0))
-    assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "full").iterdir()) == [
+    assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "full").glob("*.pt")) == [
         "state_step000007.pt", "state_step000008.pt"], r.stderr[-2000:]
     r = run_cli(tiny_flags(toy_data, tmp_path, run_id="full", overwrite=1, num_iterations=3, checkpoint_every=1,
                            keep_checkpoints=2, val_loss_every=0))
-    assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "full").iterdir()) == [
+    assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "full").glob("*.pt")) == [
         "state_step000002.pt", "state_step000003.pt"]
     # unreadable and mismatched checkpoints: one line, exit 1, and no log left behind
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
@@ -2248,7 +2250,7 @@ def test_run_sh_without_a_gpu_runs_the_race(tmp_path):
 def test_overwrite_destroys_nothing_before_the_new_run_can_replace_it(toy_data, tmp_path, monkeypatch):
     """A hostile tester's: --overwrite 1 deleted the old run's checkpoints and replaced its log before the step-0
     validation; a run that crashed there left nothing of either run. Now the log is replaced after the first
-    validation, the old checkpoints after the new run's first save."""
+    validation, and the old checkpoints are set aside then."""
     assert run_cli(tiny_flags(toy_data, tmp_path, run_id="old", checkpoint_every=2)).returncode == 0
     before = {p: p.read_bytes() for p in [tmp_path / "old.txt", *(tmp_path / "old").iterdir()]}
     monkeypatch.setattr(tg, "evaluate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("planted crash")))
@@ -2256,6 +2258,23 @@ def test_overwrite_destroys_nothing_before_the_new_run_can_replace_it(toy_data, 
         tg.main(tiny_flags(toy_data, tmp_path, run_id="old", overwrite=1, warmup_steps=0))
     after = {p: p.read_bytes() for p in [tmp_path / "old.txt", *(tmp_path / "old").iterdir()]}
     assert after == before and not list(tmp_path.glob(".old.txt.starting*"))
+
+
+def test_a_replaced_runs_checkpoints_never_continue_the_new_log(toy_data, tmp_path):
+    """A hostile tester's: --overwrite kept the old run's checkpoints until the new run's first save, so a new run
+    that saved none (or was killed first) left them resumable into its log: one log, two runs' weights and clocks.
+    They are set aside when the new log takes the name; resumed from there they start a run of their own."""
+    assert run_cli(tiny_flags(toy_data, tmp_path, checkpoint_every=2)).returncode == 0
+    r = run_cli(tiny_flags(toy_data, tmp_path, overwrite=1, num_iterations=2, lr_muon=0.01))  # saves nothing
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not list((tmp_path / "run").glob("*.pt")) and "checkpoint(s) moved to" in (tmp_path / "run.txt").read_text()
+    r = run_cli(tiny_flags(toy_data, tmp_path, resume=tmp_path / "run" / "state_step000006.pt"))
+    assert r.returncode == 2 and "no such checkpoint file" in r.stderr
+    aside, = (tmp_path / "run").glob("replaced_*")
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="branch", resume=aside / "state_step000004.pt"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    body = (tmp_path / "run.txt").read_text().split("=" * 100 + "\n", 1)[1]
+    assert "resumed from" not in body and (tmp_path / "branch.txt").exists()  # the new log untouched
 
 
 def test_a_full_disk_while_saving_ends_in_one_error(toy_data, tmp_path, monkeypatch):

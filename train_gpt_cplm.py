@@ -1523,8 +1523,6 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
             training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops while saving, and is saved
             save_checkpoint(checkpoint_path(step), model, optimizers, step, loader, training_time_ms, a, written)
             log(f"saved checkpoint {checkpoint_path(step)}")
-            if a.overwrite:  # this run has a checkpoint: the old run's others go (at the first save only)
-                log.remove_overwritten_checkpoints(keep=written)
             t0 = time.perf_counter()
         if last:
             break
