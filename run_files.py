@@ -62,8 +62,14 @@ class Logger:
         if self.path:
             if console:
                 print(line + console_extra, flush=True)  # console_extra: on stdout only (an ETA)
-            with open(self.writing, "a") as f:
-                f.write(line + "\n")
+            size = os.path.getsize(self.writing)
+            try:
+                with open(self.writing, "a") as f:
+                    f.write(line + "\n")
+            except OSError as e:  # a full disk: no half line at the end of the log, and one line that says why
+                with contextlib.suppress(OSError):
+                    os.truncate(self.writing, size)
+                raise DataError(f"{self.writing}: cannot write the log ({e.strerror}); the run stops here")
 
     def start(self, overwrite=False):
         """The run has really started (its first validation is logged): its log takes the run_id's name."""

@@ -2277,6 +2277,35 @@ def test_a_replaced_runs_checkpoints_never_continue_the_new_log(toy_data, tmp_pa
     assert "resumed from" not in body and (tmp_path / "branch.txt").exists()  # the new log untouched
 
 
+def test_a_full_disk_while_logging_is_one_error_and_no_half_line(tmp_path, monkeypatch):
+    """A hostile tester's: a full disk while writing the log was an OSError traceback from Logger.__call__ and a
+    log cut mid-line. Now the log ends with its last whole line, and a DataError says why."""
+    a = tg.parse_args(["--preset", "cpu", "--log_dir", str(tmp_path), "--run_id", "full"])
+    log = run_files.Logger(a, True, sources=())
+    log.start()
+    log("step:1/2 val_loss:1.0", console=False)
+    real_open = open
+
+    class HalfWrite:
+        def __init__(self, path, mode):
+            self.f = real_open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def write(self, text):
+            self.f.write(text[:5])
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+
+        def __exit__(self, *exc):
+            self.f.close()
+    monkeypatch.setattr(run_files, "open", HalfWrite, raising=False)
+    with pytest.raises(tg.DataError, match="full.txt: cannot write the log \\(No space left on device\\)"):
+        log("step:2/2 val_loss:0.5", console=False)
+    assert (tmp_path / "full.txt").read_text().endswith("step:1/2 val_loss:1.0\n")
+
+
 def test_a_full_disk_while_saving_ends_in_one_error(toy_data, tmp_path, monkeypatch):
     """A hostile tester's (tmpfs): a full disk while saving ended in a 4-level chained traceback, since the log's
     `stopped:` line could not be written either. Now the save's one DataError is what comes out."""

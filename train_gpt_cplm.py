@@ -1339,11 +1339,11 @@ def main(argv=None):
             if not log.started:  # refused before the first step: leave no trace in the logs
                 log.undo()
             else:
-                with contextlib.suppress(OSError):  # a full disk: the one line that says why still reaches stderr
+                with contextlib.suppress(OSError, DataError):  # a full disk: the one line that says why
                     log(f"stopped: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}", console=False)
             raise
         except BaseException as e:  # the log ends with why it stopped
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, DataError):
                 log(f"stopped: {type(e).__name__}: {e}", console=False)
             if not log.started:
                 log.undo(keep_if_new=True)  # an earlier run's log stays as it was
