@@ -970,7 +970,13 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     # past the end: nothing to do, nothing written
     r = run_cli(tiny_flags(toy_data, tmp_path, run_id="late", num_iterations=4, resume=ckpt))
     assert r.returncode == 0 and "nothing to train: the checkpoint is at step 5" in r.stdout
-    assert not (tmp_path / "late").exists()
+    assert not (tmp_path / "late").exists() and not (tmp_path / "late.txt").exists()
+    # into another run's name with --overwrite (a hostile tester's: "new_rate.txt appeared while this run was
+    # starting" and a stray temporary log): said, nothing written, the other run's log untouched
+    before = (tmp_path / "new_rate.txt").read_bytes()
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="new_rate", num_iterations=4, resume=ckpt, overwrite=1))
+    assert r.returncode == 0 and "nothing to train" in r.stdout, r.stderr[-2000:]
+    assert (tmp_path / "new_rate.txt").read_bytes() == before and not list(tmp_path.glob(".new_rate.txt.starting*"))
     # a fresh run replacing "full" (--overwrite 1) replaces its checkpoints too: no old one is left to resume
     # into the new log (copied aside first: the checks below still need one)
     shutil.copy(ckpt, tmp_path / "kept.pt")

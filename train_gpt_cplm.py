@@ -1372,9 +1372,9 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
         folders = {os.path.join(a.log_dir, a.run_id)} | ({os.path.dirname(a.resume)} if a.resume else set())
         for stale in remove_dead_writers_files(folders, "state_step*.pt.*.tmp"):
             log(f"removed {stale}, left by a run killed while saving")
-    if checkpoint is not None and checkpoint["step"] >= a.num_iterations:
-        log.start()
+    if checkpoint is not None and checkpoint["step"] >= a.num_iterations:  # said, and no log written or replaced
         log(f"nothing to train: the checkpoint is at step {checkpoint['step']}, --num_iterations is {a.num_iterations}")
+        log.undo()
         return 0
     log(f"hyperparameters: {json.dumps(dataclasses.asdict(a))}")
     if log.path:  # past the data checks, which refuse a run before it has a log
