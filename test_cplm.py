@@ -3363,6 +3363,11 @@ def test_prose_summary_reports_a_rows_own_sweep_next_to_its_best_scale(tmp_path,
                      "bytes (V = 257, D = 256)=prose_bytes_vanilla_lr1:prose_bytes_cplm_lr0.5",
                      "bytes (V = 257, D = 256), scale 0.25=prose_bytes_vanilla_lr0.25:prose_bytes_cplm_lr0.25",
                      "bytes (V = 257, D = 256), scale 0.5=prose_bytes_vanilla_lr0.5:prose_bytes_cplm_lr0.5"]
+    # a sweep missing a corner (only the edges a later study closed): the summary is left as it was, not
+    # replaced by a table of the sweep alone
+    (logs / "prose_vanilla_lr2_s0.txt").unlink()
+    calls.clear()
+    assert race.summarize_prose("out") == 0 and calls == []
 
 
 def test_build_writes_a_byte_level_corpus_without_a_tokenizer(tmp_path):
