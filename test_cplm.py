@@ -894,6 +894,17 @@ def test_log_dir_and_run_id_problems_are_one_line(toy_data, tmp_path):
     assert run_cli(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0, overwrite=1)).returncode == 0
 
 
+def test_a_vocabulary_stated_by_a_header_has_the_flags_limit(tmp_path):
+    """A hostile tester's: a header stating 20,000,000 ids passed where --vocab_size 20000000 is refused (a 5 GB
+    embedding, then a traceback under a memory limit and a stray log)."""
+    for name in ("h_train_000000.bin", "h_val_000000.bin"):
+        write_shard(tmp_path / name, toy_corpus(3000, 0), vocab=20_000_000)
+    a = tg.parse_args(["--preset", "cpu", "--train_files", str(tmp_path / "h_train_*.bin"),
+                       "--val_files", str(tmp_path / "h_val_*.bin")])
+    with pytest.raises(tg.DataError, match="state a vocabulary of 20000000 ids, more than 2\\^24"):
+        tg.resolve_vocabulary(a)
+
+
 def test_shard_problems_stop_before_the_model_in_one_line(tmp_path):
     data = tmp_path / "d"
     data.mkdir()

@@ -294,6 +294,8 @@ def resolve_vocabulary(a: Hyperparameters) -> Hyperparameters:
     """vocab_size from the shards' headers where they state one (a given --vocab_size must agree), else
     GPT-2's; bos_id -1 becomes the last id (GPT-2's 50256, the byte tokenizer's 256)."""
     stated = header_vocab_size([a.train_files, a.val_files])
+    if stated > 2 ** 24:  # --vocab_size's own limit: a 5 GB embedding table means a bad header, not a model
+        raise DataError(f"the shards' headers state a vocabulary of {stated} ids, more than 2^24: not this script's")
     if stated and a.vocab_size and a.vocab_size != stated:
         raise DataError(f"the shards were written for a vocabulary of {stated} ids, --vocab_size is {a.vocab_size}: "
                         f"drop --vocab_size or pass {stated}")
