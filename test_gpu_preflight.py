@@ -249,6 +249,38 @@ def test_first_call_killed_midway_leaves_only_the_report_and_the_tarball(tmp_pat
             time.sleep(0.5)
 
 
+def test_first_call_stopped_by_sigterm_kills_its_jobs_and_packs_the_logs(tmp_path):
+    """A hostile tester's: SIGTERM (what `timeout` sends) killed the driver alone; its jobs, in sessions of their own,
+    ran on, and no logs.tar.gz, final line or clean-up followed. Now the signal ends it through its clean-up."""
+    proc = start_first_call(tmp_path, "vanilla:hang", deadline=120)
+    try:
+        watch_out(proc, tmp_path / "out", until=lambda names: "report.txt" in names, timeout=60)
+        time.sleep(3)  # the jobs have started
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert sorted(os.listdir(tmp_path / "out")) == ["logs.tar.gz", "report.txt"]
+        report = (tmp_path / "out" / "report.txt").read_text()
+        assert "stopped by signal 15" in report and "logs packed into logs.tar.gz" in report
+        assert not list((tmp_path / "tmp").glob("first_call_*"))  # the work folder removed
+        time.sleep(1)
+        left = [pid for pid in (int(x) for x in os.listdir("/proc") if x.isdigit())
+                if f"TMPDIR={tmp_path / 'tmp'}".encode() in _environ(pid)]
+        assert left == [], "jobs outlived the driver"
+    finally:
+        proc.kill()
+        for pid in (int(x) for x in os.listdir("/proc") if x.isdigit()):
+            if f"TMPDIR={tmp_path / 'tmp'}".encode() in _environ(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _environ(pid):
+    try:
+        return open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return []
+
+
 def test_first_call_without_data_says_how_to_make_it(tmp_path):
     """No shards at --data (or a file that is not one): one line naming the command that makes them, exit 1,
     nothing started or written."""

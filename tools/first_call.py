@@ -432,6 +432,11 @@ def main(argv=None):
         env["OMP_NUM_THREADS"] = "1"  # several processes on a few cores: one thread each
     refcheck = [sys.executable, os.path.join(HERE, "cuda_cp_check.py")] + (["--dry_run"] if args.dry_run else [])
     jobs = []
+
+    def stopped(signum, _frame):  # `timeout` and schedulers send SIGTERM: end through the `finally` below, which
+        report(f"stopped by signal {signum}")  # kills the jobs (sessions of their own) and packs the logs
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, stopped)
     try:
         jobs += [Job(name, maybe_injected(name, cmd), work, env) for name, cmd in (
             ("vanilla", train_cmd(args, work, 0, "vanilla")), ("cplm", train_cmd(args, work, 1, "cplm")),
