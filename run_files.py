@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import socket
 import subprocess
 import time
 
@@ -47,7 +48,7 @@ class Logger:
             if appending:
                 self.size_before = os.path.getsize(self.path)
             else:
-                self.writing = os.path.join(a.log_dir, f".{a.run_id}.txt.starting{os.getpid()}")
+                self.writing = os.path.join(a.log_dir, f".{a.run_id}.txt.starting{writer_tag()}")
             text = ("=" * 100 + f"\nresumed from {a.resume}\n") if appending else (
                 "".join((f"# ---- {os.path.basename(path)}\n" if i else "") + read_text(path) + "\n"
                         for i, path in enumerate(sources)) + "=" * 100 + "\n")
@@ -228,12 +229,19 @@ def checkpoints_in(folder):
     return sorted(glob.glob(os.path.join(glob.escape(folder), "state_step*.pt")), key=checkpoint_step)
 
 
+def writer_tag():
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
 def remove_dead_writers_files(folders, pattern):
-    """Removes the temporary files (named ...<pid> or ...<pid>.tmp) in these folders whose writer is no longer
-    alive on this machine; another process's live ones stay. Returns the removed paths."""
+    """Removes the temporary files (named ...<pid>@<host>, or ...<pid>@<host>.tmp: writer_tag()) in these folders
+    whose writer is no longer alive on this machine; a live process's stay, and so do another machine's, whose
+    liveness cannot be told from here. Returns the removed paths."""
     removed = []
     for path in sorted(f for folder in folders for f in glob.glob(os.path.join(glob.escape(folder), pattern))):
-        m = re.search(r"(\d+)(?:\.tmp)?$", path)
+        m = re.search(r"(\d+)(?:@([^/]*?))?(?:\.tmp)?$", path)
+        if m and m[2] is not None and m[2] != socket.gethostname():
+            continue  # another machine's writer (a shared filesystem, another container): its pid means nothing here
         try:
             os.kill(int(m[1]), 0)  # a live process's: leave it
         except (TypeError, ProcessLookupError):
@@ -258,7 +266,7 @@ def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, 
     state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
                  loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a))
     state["digest"] = tensor_digest([state["model"], state["optimizers"], checkpoint_scalars(state)])
-    tmp = f"{path}.{os.getpid()}.tmp"  # the writer's pid: a live run's temporary file is never taken for stale
+    tmp = f"{path}.{writer_tag()}.tmp"  # the writer's pid and host: a live run's file is never taken for stale
     try:
         torch.save(state, tmp)
         os.replace(tmp, path)

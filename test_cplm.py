@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import types
@@ -2375,6 +2376,15 @@ def test_start_up_leaves_a_live_writers_temporary_checkpoint(tmp_path):
     assert removed == [str(folder / f"state_step000003.pt.{dead}.tmp")]
     assert (folder / f"state_step000002.pt.{live.pid}.tmp").exists()
     assert (lookalike / f"state_step000003.pt.{dead}.tmp").exists()
+    # a hostile tester's: on a shared filesystem another node's live writer had a pid that is dead here. Names
+    # carry the host: another machine's temporary files stay, this one's dead writer's go
+    here, there = f"{dead}@{socket.gethostname()}", f"{dead}@another-node.example"
+    for name in (f"state_step000004.pt.{here}.tmp", f"state_step000005.pt.{there}.tmp"):
+        (folder / name).write_bytes(b"partial")
+    assert tg.remove_dead_writers_files([str(folder)], "state_step*.pt.*.tmp") == [
+        str(folder / f"state_step000004.pt.{here}.tmp")]
+    assert (folder / f"state_step000005.pt.{there}.tmp").exists()
+    assert re.fullmatch(r"\d+@.+", run_files.writer_tag())
 
 
 def test_a_fresh_run_refuses_a_folder_of_earlier_checkpoints(tmp_path):
