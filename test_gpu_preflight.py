@@ -232,7 +232,10 @@ def test_first_call_killed_midway_leaves_only_the_report_and_the_tarball(tmp_pat
         proc.wait(timeout=30)
         assert seen <= {"logs.tar.gz", "report.txt"} and "logs.tar.gz" in seen, seen
         assert sorted(os.listdir(tmp_path / "out")) == ["logs.tar.gz", "report.txt"]
-        assert "cplm: exit 7" in (tmp_path / "out" / "report.txt").read_text()
+        report = (tmp_path / "out" / "report.txt").read_text()
+        assert "cplm: exit 7" in report and "== per job ==" not in report
+        # each job's numbers are in report.txt from the moment it ends, not only in the final summary
+        assert re.search(r"cplm: exit 7; never finished compiling; steps \d+; step time none; .*peak memory", report)
         with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
             assert "logs/cplm.stdout" in tar.getnames()
     finally:  # its jobs run in sessions of their own: they outlive it

@@ -324,6 +324,27 @@ def recompiles_after_warmup(stdout_text):
     return len(re.findall(r"Recompiling function", after)) if marker else None
 
 
+def job_result(j, jobs, work):
+    """A training job's numbers in one line, and its timed window: (ms a step, the window in words) or None.
+    Written when the job ends (a call killed later keeps them) and again in the summary."""
+    log = parse_train_log(os.path.join(work, "logs", f"{j.name}.txt"))
+    timed, beside = window_step_ms(log["train_loss"]), compiling_beside(j, jobs)
+    warm = j.events.get("warm-up done")
+    window = None
+    if timed:
+        words = f"steps {timed[1]}-{timed[2]}, " + (
+            f"timed while {', '.join(beside)} compiled" if beside else "no compile beside it")
+        window = (timed[0], words)
+    line = (f"{j.name}: {j.status()}; "
+            + (f"compile + warm-up {warm - j.started:.0f}s" if warm else "never finished compiling") + "; "
+            + f"steps {log['steps']}; step time "
+            + (f"{timed[0]:.2f} ms ({words}; 1/{timed[2] - timed[1]} ms resolution)" if timed else "none") + "; "
+            + f"train loss {', '.join(f'{s}:{v:.4f}' for s, v, _ in log['train_loss']) or 'none'}; "
+            + f"peak memory training {log['peak_train'] or '-'} MiB; "
+            + f"recompiles after warm-up {recompiles_after_warmup(j.text())}")
+    return line, window
+
+
 def write_summary(report, args, work, jobs):
     report("")
     report("== per job ==")
@@ -335,20 +356,10 @@ def write_summary(report, args, work, jobs):
             continue
         if j.name.startswith("eval_"):
             continue
-        log = parse_train_log(os.path.join(work, "logs", f"{j.name}.txt"))
-        timed, beside = window_step_ms(log["train_loss"]), compiling_beside(j, jobs)
-        warm = j.events.get("warm-up done")
+        line, timed = job_result(j, jobs, work)
         if timed:
-            words = f"steps {timed[1]}-{timed[2]}, " + (
-                f"timed while {', '.join(beside)} compiled" if beside else "no compile beside it")
-            window[j.name] = (timed[0], words)
-        report(f"{j.name}: {j.status()}; "
-               + (f"compile + warm-up {warm - j.started:.0f}s" if warm else "never finished compiling") + "; "
-               + f"steps {log['steps']}; step time "
-               + (f"{timed[0]:.2f} ms ({words}; 1/{timed[2] - timed[1]} ms resolution)" if timed else "none") + "; "
-               + f"train loss {', '.join(f'{s}:{v:.4f}' for s, v, _ in log['train_loss']) or 'none'}; "
-               + f"peak memory training {log['peak_train'] or '-'} MiB; "
-               + f"recompiles after warm-up {recompiles_after_warmup(j.text())}")
+            window[j.name] = timed
+        report(line)
         if j.rc != 0:
             report(f"  why: {j.last_line()}")
     report("")
@@ -455,6 +466,8 @@ def main(argv=None):
         fell_back = []
 
         def on_exit(job):
+            if not job.name.startswith(("refcheck", "eval_")):  # its numbers now: a call killed later keeps them
+                report(f"  {job_result(job, jobs, work)[0]}")
             report.pack()
             return fallback(job) + quiet(job)
 
