@@ -368,8 +368,8 @@ def environment_lines(device, world_size, a=None):
              f"device: {device} world_size: {world_size} cpu_threads: {torch.get_num_threads()}"]
     if a is not None:
         lines.append(f"git: {git_state(os.path.dirname(os.path.abspath(__file__)))}")
-        lines += [f"data: {path} sha256 {file_sha256(path)}"
-                  for path in sorted(glob.glob(a.train_files)) + sorted(glob.glob(a.val_files))]
+        lines += [f"data: {path} sha256 {file_sha256(path)}"  # regular files only: reading a pipe would block
+                  for path in sorted(glob.glob(a.train_files)) + sorted(glob.glob(a.val_files)) if os.path.isfile(path)]
     if device.type == "cuda":
         lines.append(f"gpu: {torch.cuda.get_device_name(device)} cuda {torch.version.cuda}")
         try:
