@@ -282,7 +282,7 @@ def report(args, n):
             lines.append(f"| {mode} | {m} | {len(r['finals'])} | {r['mean']:.4f} ± {r['sd']:.4f} | {'-' if r['p'] is None else format(r['p'], '.2g')} | "
                          f"{'yes' if r['passed'] else 'no'} |")
         if nxt is not None:
-            lines.append(f"| {mode} | {nxt} | {len(finals(args.out, mode, nxt))} (running) | | | |")
+            lines.append(f"| {mode} | {nxt} | {len(finals(args.out, mode, nxt))} of {len(SEEDS)} (the next probe) | | | |")
         if steps is not None and mode in ratios:
             r, q1, q3 = ratios[mode]
             record["time_ratio"] = steps / n * r
