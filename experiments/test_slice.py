@@ -182,7 +182,7 @@ def score(model, hp, step, tokens, with_cache, theta_lambda=None):
         add("nll", nll)
         add("copyable", copyable.double())
         add("nll_copyable", nll * copyable)
-        sums["n"] += int(valid.sum())
+        sums["n"] += real
         sums["nll"] += float(nll.sum())
         sums["n_copy"] += int(copyable.sum())
         sums["nll_copy"] += float((nll * copyable).sum())
