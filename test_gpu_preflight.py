@@ -145,9 +145,11 @@ def toy_shards(folder):
         (folder / f"toy_{split}_000000.bin").write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
 
 
-def start_first_call(tmp_path, inject, deadline):
-    """tools/first_call.py --dry_run (CPU, tiny, 4 timed steps) with its work folder under tmp_path/tmp."""
-    toy_shards(tmp_path / "data")
+def start_first_call(tmp_path, inject, deadline, shards=True):
+    """tools/first_call.py --dry_run (CPU, tiny, 4 timed steps) with its work folder under tmp_path/tmp; without
+    shards, --data names a folder that does not exist."""
+    if shards:
+        toy_shards(tmp_path / "data")
     (tmp_path / "tmp").mkdir()
     cmd = FIRST_CALL + ["--dry_run", "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--steps", "4",
                         "--deadline_s", str(deadline), "--inject", inject]
@@ -168,10 +170,10 @@ def watch_out(proc, out, until=lambda names: False, timeout=200):
     return seen
 
 
-def run_first_call(tmp_path, inject, deadline):
+def run_first_call(tmp_path, inject, deadline, shards=True):
     """Runs it to the end: (its report, its wall time, every name seen in $OUT meanwhile)."""
     t0 = time.monotonic()
-    proc = start_first_call(tmp_path, inject, deadline)
+    proc = start_first_call(tmp_path, inject, deadline, shards)
     seen = watch_out(proc, tmp_path / "out", timeout=deadline + 30)
     assert proc.wait(timeout=30) == 0, (tmp_path / "stdout.txt").read_text()[-3000:]
     elapsed = time.monotonic() - t0
@@ -202,7 +204,7 @@ def test_first_call_dry_run_reports_through_a_failure_and_a_hang(tmp_path):
                          r"resolution\); " + losses, report, re.M), report
     assert re.search(r"^cplm_dense/vanilla step time ratio: \d\.\d{3} \(cplm_dense: steps 2-4, no compile beside it; "
                      r"vanilla_quiet: steps 2-4, no compile beside it; the dense CP sums: flex failed\)$", report, re.M)
-    assert re.search(r"^vanilla: [\d.]+ ms a step \(vanilla_quiet\)", report, re.M)
+    assert re.search(r"^vanilla: [\d.]+ ms a step \(vanilla_quiet; no compile beside it\)", report, re.M)
     for name in ("cplm", "vanilla"):  # the only evaluation: the val loss at step 0
         assert re.search(rf"^eval_{name}: ok; val loss at step 0 \d+\.\d{{4}};", report, re.M), report
     assert re.search(r"^timed rows: sum L\^2 / T\^2 = 0\.\d{3}", report, re.M)
@@ -218,7 +220,26 @@ def test_first_call_dry_run_times_vanilla_while_cplm_never_compiles(tmp_path):
                      r"cplm compiled;", report, re.M), report
     assert re.search(r"^cplm: killed \(at the deadline\) after \d+s; never finished compiling; steps 0; step time none",
                      report, re.M), report
-    assert "cplm/vanilla step time ratio: none" in report and "vanilla_quiet" not in report
+    assert "cplm/vanilla step time ratio: none (a mode has no window with no compile beside it, and no time was " \
+        "left to time it again alone: vanilla: steps 2-4, timed while cplm compiled)" in report
+    assert "vanilla_quiet" not in report
+
+
+def test_first_call_dry_run_times_cplm_again_when_it_was_timed_beside_a_compile_and_makes_its_own_data(tmp_path):
+    """Vanilla made to compile 10 s longer: CPLM is timed while vanilla compiles, so once every job has ended CPLM is
+    timed again alone (cplm_quiet) and the ratio compares two windows with no compile beside them, never a
+    contaminated one with a clean one. No shards at --data: the call makes synthetic FineWeb-like documents in its
+    work folder and says so; training on them lowers the loss."""
+    report, elapsed, _ = run_first_call(tmp_path, "vanilla:slow_compile,refcheck:fail", deadline=90, shards=False)
+    assert elapsed < 90
+    assert f"no shards at --data {tmp_path / 'data'}: synthetic FineWeb-like documents instead" in report
+    assert re.search(r"^cplm: ok; .*\(steps 2-4, timed while vanilla compiled;", report, re.M), report
+    assert "cplm was timed while vanilla compiled: cplm once more, alone (cplm_quiet" in report
+    assert re.search(r"^cplm_quiet/vanilla step time ratio: \d\.\d{3} \(cplm_quiet: steps 2-4, no compile beside it; "
+                     r"vanilla: steps 2-4, no compile beside it\)$", report, re.M), report
+    losses = [float(x) for x in re.search(r"^vanilla: ok; .*; train loss 1:([\d.]+), 2:[\d.]+, 3:[\d.]+, 4:([\d.]+);",
+                                          report, re.M).groups()]
+    assert losses[1] < losses[0] - 0.3
 
 
 def test_first_call_killed_midway_leaves_only_the_report_and_the_tarball(tmp_path):
@@ -284,12 +305,14 @@ def _environ(pid):
         return []
 
 
-def test_first_call_without_data_says_how_to_make_it(tmp_path):
-    """No shards at --data (or a file that is not one): one line naming the command that makes them, exit 1,
-    nothing started or written."""
+def test_first_call_with_bad_data_says_how_to_make_it(tmp_path):
+    """Shards of one split only at --data, or a file that is not one (none at all: synthetic data, tested above):
+    one line naming the command that makes them, exit 1, nothing started or written."""
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "x_train_000000.bin").write_bytes(b"not a shard")
-    for data, problem in ((tmp_path / "none", "no *_train_*.bin shards"), (tmp_path / "bad", "is not a shard")):
+    toy_shards(tmp_path / "half")  # train shards, no val: a preparation gone wrong, not a missing one
+    (tmp_path / "half" / "toy_val_000000.bin").unlink()
+    for data, problem in ((tmp_path / "half", "no *_val_*.bin shards"), (tmp_path / "bad", "is not a shard")):
         r = subprocess.run(FIRST_CALL + ["--dry_run", "--out", str(tmp_path / "out"), "--data", str(data)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and problem in r.stderr, r.stderr
@@ -327,3 +350,19 @@ def test_first_call_packs_across_filesystems(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "out")) == ["logs.tar.gz", "report.txt"]
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
         assert tar.getnames() == ["logs/vanilla.stdout"]
+
+
+def test_synthetic_documents_look_like_the_prepared_ones():
+    """first_call.py's data when nothing was prepared: documents of about the prepared prose pieces' length (1140
+    tokens; sum L^2 / T^2 near their 0.055 at 48Ki-token rows, which sets the CP sums' cost), each starting with
+    BOS, GPT-2 ids below it, about 2/3 of tokens seen earlier in their document (FineWeb-Edu: about 60%)."""
+    import numpy as np
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from prepare_gpu_data import concentration, synthetic_tokens
+    tokens = synthetic_tokens(20 * 49152, np.random.default_rng(0))
+    assert len(tokens) == 20 * 49152 and tokens[0] == 50256 and tokens.max() == 50256
+    starts = np.flatnonzero(tokens == 50256).tolist() + [len(tokens)]
+    assert 950 < len(tokens) / (len(starts) - 1) < 1350
+    assert 0.04 < concentration(tokens, 49152) < 0.08
+    first_seen = sum(len(np.unique(tokens[lo + 1:hi])) for lo, hi in zip(starts, starts[1:]))  # per document
+    assert 0.6 < 1 - first_seen / (len(tokens) - len(starts) + 1) < 0.75

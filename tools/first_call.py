@@ -3,8 +3,10 @@
     python3 tools/first_call.py --out "$OUT"                 # on the GPU machine (records/gpu/README.md)
     python3 tools/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny, in a minute
 
---data is checked first (train and val shards there and readable; else one line naming the command that
-makes them, exit 1). Then, under one global deadline (default 570 s, inside the device call's 590):
+--data is checked first: train and val shards there and readable (a bad or missing split: one line naming the
+command that makes them, exit 1); no shards at all: synthetic FineWeb-like documents made in the work folder
+(prepare_gpu_data.synthetic_tokens, no tokenizer), which the report says. Then, under one global deadline
+(default 570 s, inside the device call's 590):
   1. three jobs started side by side, each its own process (plain python3, world size 1): vanilla and CPLM
      (flex) on the speedrun preset with one 48Ki-token row a step, and the CUDA CP loss against the dense
      reference (cuda_cp_check.py). They compile at the same time on the machine's cores; only the timed loops
@@ -16,15 +18,17 @@ makes them, exit 1). Then, under one global deadline (default 570 s, inside the 
   2. meanwhile, in this process: versions, the GPU, a bf16 GEMM rate and an FP8 (_scaled_mm) smoke test;
   3. if CPLM (flex) dies before its warm-up ends and time is left, CPLM with the dense CP sums (one chunk
      per row: one compiled shape) in its place;
-  4. if vanilla's timed loop ran while another job compiled and, once CPLM's timed loop is done, time is
-     left: vanilla once more (vanilla_quiet; its compile cache is warm by then), whose window the ratio uses;
+  4. once every job has ended, a mode whose timed loop ran while another job compiled is timed once more,
+     alone (vanilla_quiet, cplm_quiet or cplm_dense_quiet; its compile cache is warm by then), one at a time
+     while time is left;
   5. if time is left, one evaluation of each mode at the record's 256Ki-token rows (its memory and the val
      loss at step 0: the only evaluation);
   6. the report, from whatever came back: per job the compile time, the step time over the second half of
      the timed steps (between two train_loss lines, each read after a host sync: steps 20-40, 1/20 ms
      resolution) and whether another job was compiling during its timed loop, the train losses (the sign
      that training works), peak training memory, recompiles after warm-up; the CPLM / vanilla step-time ratio
-     and which windows it compares; sum L^2 / T^2 of the timed rows; which parts failed and why.
+     from two windows with no compile beside them (else no ratio, and why) and which windows it compares;
+     sum L^2 / T^2 of the timed rows; which parts failed and why.
 $OUT only ever holds report.txt (written line by line, flushed) and logs.tar.gz (the children's logs, kept in
 a work folder under $TMPDIR and packed again, whole, each time a job ends): a kill at any moment leaves at
 most those two files, and the device tool returns at most 8. A job that fails, hangs or outlives its share of
@@ -50,7 +54,8 @@ RECORD_STEP_MS = 99.9  # the 2025-01-26 record: 2.93 min over its 1760 timed ste
 REPORT_RESERVE_S = 25  # kept back at the end for the report and the packing (8 s in a dry run)
 REFCHECK_TURN_S = 30  # the reference check's timed part holds the GPU at most this long (5 s in a dry run)
 QUIET_MIN_S = 120  # vanilla is timed again only with this much time left: a warm-cache compile and 40 steps (15 s dry)
-TRAINING = ("vanilla", "cplm", "cplm_dense", "vanilla_quiet")
+TIMED = ("vanilla", "cplm", "cplm_dense")  # each may be timed again alone as <name>_quiet
+TRAINING = TIMED + tuple(f"{name}_quiet" for name in TIMED)
 MARKERS = {"warm-up done": "warm-up done", "gpu turn": "gpu turn", "final": "^final "}  # in a job's stdout
 
 
@@ -216,6 +221,23 @@ def check_data(data):
     return None
 
 
+def make_synthetic_data(args, work):
+    """No shards at --data: FineWeb-like synthetic documents in the work folder (prepare_gpu_data.synthetic_tokens:
+    no text, no tokenizer, no preparation), as many as the call reads; args.data then names them. Says so."""
+    import numpy as np
+    from prepare_gpu_data import synthetic_tokens, write_shard  # beside this file
+    t0, given = time.monotonic(), args.data
+    args.data = os.path.join(work, "data")
+    os.makedirs(args.data)
+    row, eval_row = (256, 512) if args.dry_run else (49152, 262144)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", (args.steps + 8) * row), ("val", eval_row + 1)):
+        write_shard(os.path.join(args.data, f"synthetic_{split}_000000.bin"), synthetic_tokens(n, rng))
+    return (f"no shards at --data {given}: synthetic FineWeb-like documents instead, made in {time.monotonic() - t0:.1f}s "
+            "(tools/prepare_gpu_data.py's synthetic_tokens: log-normal lengths, Zipf ids, copied spans; no "
+            "tokenizer): the step times hold, the losses are not English text's")
+
+
 def train_cmd(args, work, mode, name, extra=()):
     """One mode of the speedrun preset as one of the record's 8 GPUs runs it: one 48Ki-token row a step. No
     validation (--val_tokens 0: nothing compiled for it); the train loss every quarter of the steps, each read
@@ -364,12 +386,16 @@ def write_summary(report, args, work, jobs):
             report(f"  why: {j.last_line()}")
     report("")
     report("== the race ==")
-    vanilla = "vanilla_quiet" if "vanilla_quiet" in window else "vanilla" if "vanilla" in window else None
-    cplm = "cplm" if "cplm" in window else "cplm_dense" if "cplm_dense" in window else None
-    if vanilla:
-        report(f"vanilla: {window[vanilla][0]:.2f} ms a step ({vanilla}) for one 48Ki-token row on one GPU, no "
-               "communication, kernels tuned without coordinate descent (not the record's configuration); the "
-               f"record's 8xH100 step, communication included: {RECORD_STEP_MS} ms")
+    # the ratio compares two windows with no compile beside them (a compile shares the cores and, autotuning, the
+    # GPU): a mode's quiet re-run where it had one, else its own window if nothing compiled beside it
+    clean = {name: w for name, w in window.items() if w[1].endswith("no compile beside it")}
+    vanilla = next((n for n in ("vanilla_quiet", "vanilla") if n in clean), None)
+    cplm = next((n for n in ("cplm_quiet", "cplm", "cplm_dense_quiet", "cplm_dense") if n in clean), None)
+    shown = vanilla or next((n for n in ("vanilla_quiet", "vanilla") if n in window), None)
+    if shown:
+        report(f"vanilla: {window[shown][0]:.2f} ms a step ({shown}; {window[shown][1].split(', ', 1)[1]}) for one "
+               "48Ki-token row on one GPU, no communication, kernels tuned without coordinate descent (not the "
+               f"record's configuration); the record's 8xH100 step, communication included: {RECORD_STEP_MS} ms")
     # a relative --data is the repository's (os.path.join keeps an absolute one as it is)
     concentration = row_concentration(os.path.join(ROOT, args.data, "*_train_*.bin"), args.steps,
                                       256 if args.dry_run else 49152, args.bos)
@@ -378,16 +404,18 @@ def write_summary(report, args, work, jobs):
     if vanilla and cplm:
         report(f"{cplm}/vanilla step time ratio: {window[cplm][0] / window[vanilla][0]:.3f} ({cplm}: "
                f"{window[cplm][1]}; {vanilla}: {window[vanilla][1]}"
-               + ("; the dense CP sums: flex failed)" if cplm == "cplm_dense" else ")"))
+               + ("; the dense CP sums: flex failed)" if cplm.startswith("cplm_dense") else ")"))
     else:
-        report("cplm/vanilla step time ratio: none (a mode gave no step time: see above)")
+        why = "; ".join(f"{name}: {w[1]}" for name, w in window.items() if name not in clean)
+        report("cplm/vanilla step time ratio: none (" + (f"a mode has no window with no compile beside it, and no time "
+               f"was left to time it again alone: {why})" if why else "a mode gave no step time: see above)"))
 
 
 def main(argv=None):
     global T0, REPORT_RESERVE_S, REFCHECK_TURN_S, QUIET_MIN_S
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="report.txt and logs.tar.gz go here ($OUT on the device)")
-    p.add_argument("--data", default=".gpu_data", help="shards from tools/prepare_gpu_data.py")
+    p.add_argument("--data", default=".gpu_data", help="shards from tools/prepare_gpu_data.py (none: synthetic)")
     p.add_argument("--deadline_s", type=float, default=570)
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode (a train loss every quarter)")
     p.add_argument("--bos", type=int, default=50256)
@@ -402,10 +430,12 @@ def main(argv=None):
     if bad:
         print(f"first_call.py: error: {bad}", file=sys.stderr)
         return 2
-    problem = check_data(args.data)
+    synthetic = not glob.glob(os.path.join(ROOT, args.data, "*_*_*.bin"))  # nothing prepared: made below
+    problem = None if synthetic else check_data(args.data)
     if problem:  # before anything is started or written
         print(f"first_call.py: error: {problem}; make them here (tiktoken has its GPT-2 files here, not on the GPU "
-              "machine): python3 tools/prepare_gpu_data.py", file=sys.stderr)
+              "machine): python3 tools/prepare_gpu_data.py; or name a folder with no shards for synthetic documents",
+              file=sys.stderr)
         return 1
     T0 = time.monotonic()
     if args.dry_run:
@@ -418,6 +448,8 @@ def main(argv=None):
     device = "cpu" if args.dry_run else "cuda"
     report(f"first call: deadline {args.deadline_s:.0f}s, {args.steps} timed steps a mode"
            + (" (dry run on CPU)" if args.dry_run else "") + f"; work folder {work}")
+    if synthetic:
+        report(make_synthetic_data(args, work))
     injected = dict(x.split(":") for x in args.inject.split(",") if x)
 
     def maybe_injected(name, cmd):
@@ -484,16 +516,17 @@ def main(argv=None):
                             work, env)]
             return []
 
-        def quiet(job):  # vanilla timed beside a compile, CPLM timed since: vanilla again, with nothing compiling
-            timed = {j.name: j for j in jobs if j.rc == 0 and "final" in j.events}
-            cplm = timed.get("cplm") or timed.get("cplm_dense")
-            beside = compiling_beside(timed["vanilla"], jobs) if "vanilla" in timed else None
-            if job.name in TRAINING and cplm and beside and all(j.name != "vanilla_quiet" for j in jobs) \
-                    and deadline - time.monotonic() > QUIET_MIN_S:
-                report(f"  vanilla was timed while {', '.join(beside)} compiled, {cplm.name} is timed: vanilla once "
-                       "more (vanilla_quiet; its compile cache is warm)")
-                return [Job("vanilla_quiet", maybe_injected("vanilla_quiet", train_cmd(args, work, 0, "vanilla_quiet")),
-                            work, env)]
+        def quiet(job):  # a mode timed beside a compile: timed again alone, once every other job has ended
+            if any(j.rc is None for j in jobs) or deadline - time.monotonic() <= QUIET_MIN_S:
+                return []
+            for j in jobs:
+                beside = compiling_beside(j, jobs) if j.name in TIMED and j.rc == 0 else None
+                if beside and all(x.name != f"{j.name}_quiet" for x in jobs):
+                    report(f"  {j.name} was timed while {', '.join(beside)} compiled: {j.name} once more, alone "
+                           f"({j.name}_quiet; its compile cache is warm)")
+                    mode, extra = (0, []) if j.name == "vanilla" else (1, dense if j.name == "cplm_dense" else [])
+                    name = f"{j.name}_quiet"
+                    return [Job(name, maybe_injected(name, train_cmd(args, work, mode, name, extra)), work, env)]
             return []
 
         run_jobs(jobs, deadline, report, on_exit)
