@@ -273,6 +273,78 @@ def test_window_tiles_follow_the_record(w):
     assert (p_count + f_count)[0, 0].tolist() == [min(qb + 1, max(w, 1)) for qb in range(T // blk)]
 
 
+def kernel_view(block_mask, T):
+    """(B, T, T) int: how often a FlexAttention kernel lets each pair through with this BlockMask, read as the
+    CUDA kernels read it: the tiles a query block lists as full taken whole (mask_mod never runs there), those
+    it lists as partial through mask_mod; the forward reads the lists per query block, the backward (dk, dv)
+    per key block, and both readings must agree. (Eager CPU FlexAttention evaluates mask_mod on every pair and
+    ignores the lists: a missing or wrong tile passes every CPU test of the values.)"""
+    blk, B = block_mask.BLOCK_SIZE[0], block_mask.kv_num_blocks.size(0)
+    m = block_mask
+    readings = []
+    for lists, by_query in (((m.kv_num_blocks, m.kv_indices), (m.full_kv_num_blocks, m.full_kv_indices)), True), \
+                           (((m.q_num_blocks, m.q_indices), (m.full_q_num_blocks, m.full_q_indices)), False):
+        hits = torch.zeros(B, T, T, dtype=torch.int32)
+        for full, (counts, indices) in enumerate(lists):
+            for b in range(B):
+                for i in range(T // blk):
+                    for j in indices[b, 0, i, :counts[b, 0, i]].tolist():
+                        qb, kb = (i, j) if by_query else (j, i)
+                        q_idx, kv_idx = torch.arange(qb * blk, (qb + 1) * blk), torch.arange(kb * blk, (kb + 1) * blk)
+                        tile = torch.ones(blk, blk, dtype=torch.bool) if full else \
+                            m.mask_mod(torch.tensor(b), torch.tensor(0), q_idx[:, None], kv_idx[None, :])
+                        hits[b, qb * blk:(qb + 1) * blk, kb * blk:(kb + 1) * blk] += tile
+        readings.append(hits)
+    assert torch.equal(readings[0], readings[1]), "the forward's and the backward's lists disagree"
+    return readings[0]
+
+
+@pytest.mark.parametrize("cplm", [0, 1])
+def test_every_block_mask_the_model_builds_read_as_the_kernel_reads_it(monkeypatch, cplm):
+    """The model's forward with FlexAttention (attention with a long and a short window, and the CP head's
+    document and match masks), its flex calls recorded instead of run: every BlockMask, read tile by tile as the
+    CUDA kernels read it, lets through exactly the pairs of the dense masks, none twice. Rows of 1024 tokens
+    with documents that span several full tiles, several short ones, and one whole-row document."""
+    from types import SimpleNamespace
+    T, bos, V = 1024, 7, 16
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (2, T), generator=g)
+    ids[0, [0, 40, 600, 700, 710, 1000]] = bos  # 40-600 holds blocks 1-3 whole: full tiles (2, 1), (3, 1), (3, 2)
+    ids[1, [0, 900]] = bos
+    targets = torch.roll(ids, -1, 1)
+    targets[:, ::37] = 12  # never in any context
+    seen = []
+
+    def recorded(q, k, v, block_mask=None, scale=None, return_aux=None, kernel_options=None):
+        seen.append(block_mask)
+        return (torch.zeros_like(q), SimpleNamespace(lse=torch.zeros(q.shape[:-1]))) if return_aux else torch.zeros_like(q)
+
+    monkeypatch.setattr(tg, "flex_attention", recorded)
+    model = tg.GPT(tg.GPTConfig(vocab_size=V, bos_id=bos, num_layers=4, model_dim=32, num_heads=2, max_seq_len=T,
+                                cplm=cplm, cp_dim=8))
+    model.attention_backend = model.cp_backend = "flex"
+    with torch.no_grad():
+        model(ids, targets, window_blocks=torch.tensor(3, dtype=torch.int32))
+    doc_ids = tg.doc_ids_of(ids, bos)
+    pos = torch.arange(T)
+    allowed = (pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    expected = {f"window {w}": record_window_tiles(allowed, w, 128).repeat_interleave(128, 1).repeat_interleave(128, 2)
+                & allowed for w in (3, 1)}  # the long window and the short one, half of it
+    if cplm:
+        copyable = tg.target_in_context(ids, targets, doc_ids, V + 1)
+        hit = (ids[:, None, :] == targets[:, :, None]) | (~copyable[:, :, None] & torch.eye(T, dtype=torch.bool))
+        expected.update({"CP document": allowed, "CP match": allowed & hit})
+    masks = list({id(m): m for m in seen}.values())
+    assert len(masks) == len(expected) and len(seen) == sum(b.attn is not None for b in model.blocks) + 2 * cplm
+    found = []
+    for m in masks:
+        view = kernel_view(m, T)
+        assert view.max() == 1, "a tile is listed twice"
+        found += [name for name, dense in expected.items() if torch.equal(view.bool(), dense)]
+    assert sorted(found) == sorted(expected), found
+    assert any(m.full_kv_num_blocks.sum() > 0 for m in masks)  # the rows have full tiles, the check reads them
+
+
 # ----------------------------------------------------------------------------------------------------
 # the CPLM mixture: the dense reference against an independent per-position oracle
 
@@ -2023,16 +2095,36 @@ def test_spamlang_gate_init_is_recorded(tmp_path):
     assert c0 == pytest.approx(1 / 640, abs=1e-4)
 
 
-def test_gpu_cp_check_runs_and_passes_on_cpu(monkeypatch, capsys):
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; the gradient times 0.95 (a planted kernel fault)."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 0.95 * grad
+
+
+@pytest.mark.parametrize("fault", [None, "lse_grad_0.95"])
+def test_gpu_cp_check_runs_and_passes_on_cpu(monkeypatch, capsys, fault):
     """tools/cuda_cp_check.py, the GPU session's reference check, run here at a small size with
-    FlexAttention's math path (its CPU device check lifted), so a rare GPU session gets a working script."""
+    FlexAttention's math path (its CPU device check lifted), so a rare GPU session gets a working script. A
+    planted fault, the LSEs' gradients scaled by 0.95, stays inside the elementwise tolerances (bf16's) and is
+    caught by the gradients' norm-wise error."""
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
     check = _load("tools/cuda_cp_check.py")
+    if fault:
+        copy_lses = tg.copy_lses
+        monkeypatch.setattr(tg, "copy_lses", lambda *a, **k: tuple(map(_ScaledGradient.apply, copy_lses(*a, **k))))
     torch._dynamo.reset()
-    assert check.main("cpu", T=512, compile_backend="aot_eager") == 0
+    assert check.main("cpu", T=512, compile_backend="aot_eager") == (1 if fault else 0)
     out = capsys.readouterr().out
-    assert "cuda cp check: PASS" in out and out.count(" ok") == 6
+    if fault:
+        assert re.search(r"d/d q: .* \|flex - reference\| / \|reference\| 4\.\d+e-02 finite=True MISMATCH", out), out
+    else:
+        assert "cuda cp check: PASS" in out and out.count(" ok") == 6
 
 
 # ----------------------------------------------------------------------------------------------------

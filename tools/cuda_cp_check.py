@@ -88,32 +88,37 @@ def main(device="cuda", T=4096, compile_backend="inductor"):
         (fast * weights).sum().backward()
         synchronize(dev)
         fast_ms = 1000 * (time.perf_counter() - t0)
-        if gpu_turn is not None:  # the timed part is over: the reference below need not hold the others back
-            gpu_turn.close()
     except Exception as e:  # the escape hatch: report, and let the timing runs use the dense CP path
         traceback.print_exc()
         print(f"flex CP path FAILED ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
         return 3
-    ref_in = leaves(*inputs)
+    ref_in = leaves(*inputs)  # the reference runs on the GPU too: it keeps the turn, so no timed loop shares it
     ref = reference(*ref_in, ids, targets)
     (ref * weights).sum().backward()
+    synchronize(dev)
+    if gpu_turn is not None:
+        gpu_turn.close()
     ok = True
 
-    def check(name, a, b, rtol, atol):
+    def check(name, a, b, rtol, atol, norm_rtol=None):
+        """Elementwise within atol + rtol |b|; a gradient also within norm_rtol of |b| as a whole (a kernel that
+        scales a gradient by 0.95 stays inside the elementwise bounds; one bf16 rounding is about 0.4%)."""
         nonlocal ok
         a, b = a.float(), b.float()
         finite = bool(torch.isfinite(a).all())
-        passed = finite and bool(((a - b).abs() <= atol + rtol * b.abs()).all())
+        relative = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        passed = finite and bool(((a - b).abs() <= atol + rtol * b.abs()).all()) and relative <= (norm_rtol or 1)
         ok &= passed
         print(f"{name:>14}: max |flex - reference| {(a - b).abs().max().item():.3e} (max |reference| "
-              f"{b.abs().max().item():.3e}) finite={finite} {'ok' if passed else 'MISMATCH'}")
+              f"{b.abs().max().item():.3e}), |flex - reference| / |reference| {relative:.2e} finite={finite} "
+              f"{'ok' if passed else 'MISMATCH'}")
 
     print(f"T={T} d={d} documents={int((ids == BOS).sum())} copyable share={copyable.float().mean().item():.3f} "
           f"softcap={CAP} <copy> bias={bias.item()} q/k bf16, u bf16")
     check("log p(y)", fast, ref, 2e-2, 2e-2)
     for name, a, b in zip(["u", "q", "k", "sink key", "<copy> bias"], fast_in, ref_in):
         scale = b.grad.abs().max().item()
-        check("d/d " + name, a.grad, b.grad, 5e-2, 2e-2 * scale)
+        check("d/d " + name, a.grad, b.grad, 5e-2, 2e-2 * scale, norm_rtol=2e-2)
     print(f"compile (forward and backward) {compile_s:.1f} s; flex fwd+bwd after it {fast_ms:.1f} ms")
     print("cuda cp check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1

@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RECORD_STEP_MS = 99.9  # the 2025-01-26 record: 2.93 min over its 1760 timed steps on 8xH100, communication included
 REPORT_RESERVE_S = 25  # kept back at the end for the report and the packing (8 s in a dry run)
-REFCHECK_TURN_S = 30  # the reference check's timed part holds the GPU at most this long (5 s in a dry run)
+REFCHECK_TURN_S = 30  # the reference check holds the GPU (its timed part, the reference) at most this long (20 s dry)
 QUIET_MIN_S = 120  # vanilla is timed again only with this much time left: a warm-cache compile and 40 steps (15 s dry)
 TIMED = ("vanilla", "cplm", "cplm_dense")  # each may be timed again alone as <name>_quiet
 TRAINING = TIMED + tuple(f"{name}_quiet" for name in TIMED)
@@ -272,7 +272,7 @@ def run_jobs(jobs, deadline, report, on_exit):
                     waiting = [x for x in jobs if x.rc is None and "final" not in x.events
                                and not hasattr(x, "turn_budget") and x.name in TRAINING]
                     j.turn_budget = (deadline - now) / max(len(waiting), 1)
-                    if j.name == "refcheck":  # its timed part is one forward and backward: seconds
+                    if j.name == "refcheck":  # one forward and backward, then the reference: seconds
                         j.turn_budget = min(j.turn_budget, REFCHECK_TURN_S)
                     j.turn_taken = now
                 elif now - j.turn_taken > j.turn_budget and "final" not in j.events:
@@ -420,7 +420,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode (a train loss every quarter)")
     p.add_argument("--bos", type=int, default=50256)
     p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in a minute")
-    p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang, JOB:slow_compile or JOB:compile_hang, "
+    p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang, JOB:slow_compile[=S] or JOB:compile_hang, "
                                                  "comma-separated")
     args = p.parse_args(argv)
     bad = ("--deadline_s must be a number of seconds in (0, 1e6), not " + str(args.deadline_s)
@@ -439,7 +439,7 @@ def main(argv=None):
         return 1
     T0 = time.monotonic()
     if args.dry_run:
-        REPORT_RESERVE_S, REFCHECK_TURN_S, QUIET_MIN_S = 8, 5, 15
+        REPORT_RESERVE_S, REFCHECK_TURN_S, QUIET_MIN_S = 8, 20, 15
     deadline = T0 + args.deadline_s - REPORT_RESERVE_S
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="first_call_")  # the children's logs and the GPU turn's lock: never in $OUT
@@ -463,8 +463,8 @@ def main(argv=None):
         if how == "compile_hang":  # never warm
             return [sys.executable, "-c", "import time; print('injected: compiling forever', flush=True); "
                     "time.sleep(10**6)"]
-        if how == "slow_compile":  # the real job, 10 s late: a compile 10 s longer
-            return [sys.executable, "-c", "import os, sys, time; time.sleep(10); "
+        if how and how.startswith("slow_compile"):  # the real job, late: a compile 10 s (or =S s) longer
+            return [sys.executable, "-c", f"import os, sys, time; time.sleep({float(how.partition('=')[2] or 10)}); "
                     "os.execv(sys.executable, [sys.executable] + sys.argv[1:])", *cmd[1:]]
         return cmd
 
