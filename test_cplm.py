@@ -2095,6 +2095,17 @@ def test_spamlang_gate_init_is_recorded(tmp_path):
     assert c0 == pytest.approx(1 / 640, abs=1e-4)
 
 
+@pytest.mark.parametrize("capability, fp8", [((9, 0), True), ((8, 9), True), ((8, 6), False), ((8, 0), False)])
+def test_the_fp8_head_is_chosen_where_the_gpu_has_fp8_matmuls(monkeypatch, capability, fp8):
+    """--fp8_head -1 (the default): FP8 on Hopper and Ada (sm_89: RTX 4090, L4, L40S), bf16 on an A100 (sm_80) or
+    an RTX 3090 (sm_86), never on a CPU; the model then holds the LM head's FP8 scales or none."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
+    assert tg.fp8_available(torch.device("cuda", 0)) is fp8 and not tg.fp8_available(torch.device("cpu"))
+    model = tg.GPT(tg.GPTConfig(vocab_size=VOCAB, bos_id=BOS, num_layers=2, model_dim=32, num_heads=2, max_seq_len=64,
+                                fp8_head=int(tg.fp8_available(torch.device("cuda", 0)))))
+    assert (model.lm_head.fp8_scales is not None) is fp8
+
+
 class _ScaledGradient(torch.autograd.Function):
     """Identity forward; the gradient times 0.95 (a planted kernel fault)."""
     @staticmethod

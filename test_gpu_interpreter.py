@@ -2,7 +2,7 @@
 Triton kernels), forward and backward, run on the CPU in Triton's interpreter against the dense reference:
 tools/cuda_cp_check.py's own main() (its inputs, reference() and tolerances), two passes as it makes.
 
-How: inductor with cpu_backend="triton", under preflight._as_sm90() (codegen needs an active Triton driver). Each
+How: inductor with cpu_backend="triton", under preflight._as_gpu() (codegen needs an active Triton driver). Each
 FlexAttention lowering runs with every IR node reporting CUDA, so it takes its Triton template with the sm_90
 configs instead of the C++ CPU template; the buffers it made are then given back the CPU device, so the template
 is scheduled and rendered as a CPU Triton kernel and runs, like the other kernels, under TRITON_INTERPRET=1
@@ -250,7 +250,7 @@ def main(argv):
     print(f"T={a.T} VP={VP} fault={a.fault} CP_KERNEL_OPTIONS={tg.CP_KERNEL_OPTIONS}", flush=True)
     t0 = time.perf_counter()
     with unittest.mock.patch.object(flex_module, "_validate_device", lambda *args, **kwargs: None), \
-            inductor_config.patch(patches), preflight._as_sm90(), _flex_on_sm90_templates(a.fault, expected):
+            inductor_config.patch(patches), preflight._as_gpu(), _flex_on_sm90_templates(a.fault, expected):
         rc = ccc.main("cpu", T=a.T, compile_backend="inductor")
     seconds = time.perf_counter() - t0
 

@@ -1,10 +1,11 @@
 """The GPU pre-flight to machine code, on a CPU machine: every FlexAttention kernel that the speedrun preset
-compiles on an H100/H200, in both modes, rendered by inductor at the preset's shapes with the CUDA heuristics
-and compiled to sm_90 machine code by Triton's bundled ptxas (tools/preflight.py: `lower(sm90=True)`,
-`compile_sm90`). Each must fit the H200's shared memory; the CP head's kernels must not spill.
+compiles on a GPU, in both modes, rendered by inductor at the preset's shapes with the CUDA heuristics of each
+card (an H200, sm_90; an A100, sm_80; an RTX 4090, sm_89, as the L4 and L40S) and compiled to its machine code
+by Triton's bundled ptxas (tools/preflight.py: `lower(sm90=True)` under `card(name)`, `compile_cubin`). Each
+must fit its card's shared memory a block, or it would not launch; the CP head's kernels must not spill.
 
 Needs Triton (the CUDA wheels of torch bring it; with the CPU build, `pip install triton==3.6.0`); skipped
-without it. Slow (minutes: the 12-layer model is traced and lowered four times):
+without it. Slow (minutes a card: the 12-layer model is traced and lowered four times):
     python3 -m pytest -m slow test_gpu_kernels.py
 """
 import os
@@ -22,33 +23,39 @@ import preflight  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def table():
-    return preflight.kernel_table()
+@pytest.fixture(scope="module", params=list(preflight.CARDS))
+def table(request):
+    with preflight.card(request.param) as gpu:
+        return request.param, gpu, preflight.kernel_table()
 
 
-def test_every_flex_kernel_compiles_for_the_h200(table):
+def test_every_flex_kernel_compiles_and_would_launch(table):
     """Both modes' FlexAttention kernels (attention forward and backward, the CP head's document and match
-    masks forward and backward, evaluation's forwards) reach sm_90 machine code, each within the H200's
-    shared memory per block. The table is records/gpu/README.md's."""
-    print("\n" + preflight.markdown_table(table))
-    roles = {(mode, graph, role, kernel.op) for mode, graph, role, kernel, _ in table}
+    masks forward and backward, evaluation's forwards) reach the card's machine code, each within its shared
+    memory per block (opt-in). The tables are records/gpu/README.md's."""
+    name, gpu, rows = table
+    print(f"\n{name}, {gpu.name}\n" + preflight.markdown_table(rows))
+    roles = {(mode, graph, role, kernel.op) for mode, graph, role, kernel, _ in rows}
     for graph, ops in (("training", ("flex_attention", "flex_attention_backward")), ("evaluation", ("flex_attention",))):
         for op in ops:
             assert ("vanilla", graph, "attention", op) in roles, (graph, op)
             for role in ("CP document mask", "CP match mask"):
                 assert ("CPLM", graph, role, op) in roles, (graph, role, op)
-    for mode, graph, role, kernel, r in table:
-        assert r["cubin_bytes"] > 0 and r["arch"].startswith("sm_90")
-        assert r["shared"] <= preflight.H200_SHARED_PER_BLOCK, (mode, graph, role, kernel.label(), r)
+    for mode, graph, role, kernel, r in rows:
+        assert r["cubin_bytes"] > 0 and r["arch"].startswith(name)
+        assert r["shared"] <= gpu.shared_memory_per_block_optin, (name, mode, graph, role, kernel.label(), r)
 
 
-def test_the_cp_head_kernels_do_not_spill(table):
+def test_the_cp_head_kernels_do_not_spill_much(table):
     """CP_KERNEL_OPTIONS was chosen by this report: with inductor's default for head dim 64 on sm_90 (4 warps
-    for a 128 x 128 tile) both forward kernels spilled (0.5 / 1.1 KB of stores per thread)."""
-    for mode, graph, role, kernel, r in table:
+    for a 128 x 128 tile) both forward kernels spilled (0.5 / 1.1 KB of stores per thread). Now no CP kernel
+    spills on sm_90 and no forward kernel on any card; on sm_80 and sm_89 inductor's 64 x 64 backward tile spills
+    88-152 B per thread (torch 2.14.1), which a 32-row tile would not: not chosen without a GPU to time the two."""
+    name, _, rows = table
+    for mode, graph, role, kernel, r in rows:
         if role.startswith("CP"):
-            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (graph, role, kernel.label(), r)
+            bound = 0 if name == "sm_90" or kernel.op == "flex_attention" else 256
+            assert r["spill_stores"] <= bound and r["spill_loads"] <= bound, (name, graph, role, kernel.label(), r)
 
 
 def test_the_default_cp_options_spill(monkeypatch):
@@ -60,7 +67,7 @@ def test_the_default_cp_options_spill(monkeypatch):
     for name, options in (("default", {}), ("chosen", tg.CP_KERNEL_OPTIONS)):
         monkeypatch.setattr(tg, "CP_KERNEL_OPTIONS", options)
         kernels = preflight.distinct_kernels(preflight.lower(flex_copy_loss, *cp_inputs(T=512), sm90=True))
-        spills[name] = [preflight.compile_sm90(k)["spill_stores"] for k in kernels if k.op == "flex_attention"]
+        spills[name] = [preflight.compile_cubin(k)["spill_stores"] for k in kernels if k.op == "flex_attention"]
     assert all(s > 0 for s in spills["default"]) and all(s == 0 for s in spills["chosen"]), spills
 
 

@@ -24,8 +24,9 @@ also at a query of the CUDA device's properties. Anything else is a finding.
 With Triton installed (`pip install triton==3.6.0`), `lower(..., sm90=True)` goes further for the
 FlexAttention ops: Triton's driver is replaced by one whose target is sm_90 and the CUDA device's properties
 by an H200's, so inductor renders each FlexAttention kernel with the CUDA heuristics (the configs an H100/H200
-gets), and `compile_sm90` compiles it to sm_90 machine code with Triton's bundled ptxas: shared memory,
-registers and spills, as the GPU would get them (test_gpu_kernels.py).
+gets), and `compile_cubin` compiles it to sm_90 machine code with Triton's bundled ptxas: shared memory,
+registers and spills, as the GPU would get them (test_gpu_kernels.py). `with card("sm_80")` (an A100) or
+`card("sm_89")` (an RTX 4090, L4, L40S) does the same for that card: its heuristics, its machine code.
 What only a GPU can show: autotuning, FP8 matmuls in hardware, memory, speed (records/gpu/README.md).
 """
 import contextlib
@@ -86,12 +87,38 @@ def _flex_ops():
             if hasattr(torch.ops.higher_order, name)]
 
 
-# an H200 as CUDA reports it (torch.cuda.get_device_properties): what inductor's heuristics read
+# the cards as CUDA reports them (torch.cuda.get_device_properties): what inductor's heuristics read. The shared
+# memory a kernel may ask for (opt-in, per block) decides whether it launches: sm_90 227 KiB, sm_80 163, sm_89 99
 H200 = types.SimpleNamespace(
     name="NVIDIA H200 (the pre-flight's stand-in)", major=9, minor=0, multi_processor_count=132, warp_size=32,
     regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, max_threads_per_block=1024,
     shared_memory_per_block=48 * 1024, shared_memory_per_block_optin=232448, shared_memory_per_multiprocessor=233472,
     total_memory=143771 * 2 ** 20, L2_cache_size=60 * 2 ** 20, gcnArchName="", uuid="00000000")
+A100 = types.SimpleNamespace(**{**vars(H200), **dict(
+    name="NVIDIA A100-SXM4-80GB (the pre-flight's stand-in)", major=8, minor=0, multi_processor_count=108,
+    shared_memory_per_block_optin=166912, shared_memory_per_multiprocessor=167936, total_memory=81920 * 2 ** 20,
+    L2_cache_size=40 * 2 ** 20)})
+RTX_4090 = types.SimpleNamespace(**{**vars(H200), **dict(  # sm_89, as the L4 and L40S
+    name="NVIDIA GeForce RTX 4090 (the pre-flight's stand-in)", major=8, minor=9, multi_processor_count=128,
+    max_threads_per_multi_processor=1536, shared_memory_per_block_optin=101376,
+    shared_memory_per_multiprocessor=102400, total_memory=24564 * 2 ** 20, L2_cache_size=72 * 2 ** 20)})
+CARDS = {"sm_90": H200, "sm_80": A100, "sm_89": RTX_4090}
+_card = H200  # the card the lowering and the compiler target: card(name) sets it
+
+
+@contextlib.contextmanager
+def card(name):
+    """Kernels rendered (inductor's heuristics for that capability and properties) and compiled for CARDS[name]."""
+    global _card
+    saved, _card = _card, CARDS[name]
+    try:
+        yield _card
+    finally:
+        _card = saved
+
+
+def capability():
+    return _card.major * 10 + _card.minor
 
 
 @dataclasses.dataclass
@@ -113,18 +140,20 @@ class FlexKernel:
 
 
 @contextlib.contextmanager
-def _as_sm90():
-    """Triton's driver and torch's CUDA queries answer as an H200 (sm_90) would; nothing runs on it."""
+def _as_gpu():
+    """Triton's driver and torch's CUDA queries answer as the card (default an H200, sm_90) would; nothing runs
+    on it."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.driver import DriverBase
     from triton.runtime.driver import driver
+    major_minor = (_card.major, _card.minor)
 
-    class Sm90(DriverBase):  # what inductor asks the driver while it renders a kernel
+    class Gpu(DriverBase):  # what inductor asks the driver while it renders a kernel
         is_active = classmethod(lambda cls: True)
-        get_current_target = lambda self: GPUTarget("cuda", 90, 32)  # noqa: E731
+        get_current_target = lambda self: GPUTarget("cuda", capability(), 32)  # noqa: E731
         get_active_torch_device = lambda self: torch.device("cuda", 0)  # noqa: E731
         get_current_device = lambda self: 0  # noqa: E731
-        get_device_capability = lambda self, *a: (9, 0)  # noqa: E731
+        get_device_capability = lambda self, *a: major_minor  # noqa: E731
 
         def map_python_to_cpp_type(self, ty):
             raise NotImplementedError
@@ -133,12 +162,12 @@ def _as_sm90():
             raise RuntimeError("no GPU to benchmark on")
 
     saved = driver._active
-    driver.set_active(Sm90())
-    props = lambda *a, **k: H200  # noqa: E731
+    driver.set_active(Gpu())
+    props = lambda *a, **k: _card  # noqa: E731
     try:
         with unittest.mock.patch("torch.cuda.get_device_properties", props), \
                 unittest.mock.patch("torch._dynamo.device_interface.CudaInterface.get_device_properties", props), \
-                unittest.mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)):
+                unittest.mock.patch("torch.cuda.get_device_capability", lambda *a, **k: major_minor):
             yield
     finally:
         driver._active = saved
@@ -178,7 +207,7 @@ def _flex_lowered_as_on_gpu(stops: list, kernels: list | None = None):
         with contextlib.ExitStack() as stack:  # every IR node made here is on the GPU, not only TensorBoxes
             for cls in [c for c in vars(ir).values() if isinstance(c, type) and "get_device" in c.__dict__]:
                 stack.enter_context(unittest.mock.patch.object(cls, "get_device", lambda self: torch.device("cuda", 0)))
-            stack.enter_context(_as_sm90())
+            stack.enter_context(_as_gpu())
             stack.enter_context(_rendered_templates(choices))
             lower(*args, **kwargs)
         # the rendered kernel's buffers leave the (CPU) graph again: placeholders take their place
@@ -324,23 +353,23 @@ def triton_tool(name):
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_sm90(kernel: FlexKernel) -> dict:
-    """The kernel compiled to sm_90 machine code as inductor would on an H100/H200 (its signature, constants,
-    divisibility hints, warps and stages), and ptxas's report on it: shared memory (bytes, dynamic), registers
-    per thread, stack frame and spills (bytes)."""
+def compile_cubin(kernel: FlexKernel) -> dict:
+    """The kernel compiled to the card's machine code (sm_90 unless card() says otherwise) as inductor would on it
+    (its signature, constants, divisibility hints, warps and stages), and ptxas's report on it: shared memory
+    (bytes, dynamic), registers per thread, stack frame and spills (bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     autotuner = getattr(_load(kernel.module_path), kernel.kernel_name)
     meta = autotuner.triton_meta
     source = ASTSource(autotuner.fn, meta["signature"], meta.get("constants", {}), meta["configs"][0])
-    binary = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+    binary = triton.compile(source, target=GPUTarget("cuda", capability(), 32),
                             options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages, debug=False))
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(binary.asm["ptx"])
-        arch = "sm_90a" if "sm_90a" in binary.asm["ptx"] else "sm_90"
+        arch = next(a for a in (f"sm_{capability()}a", f"sm_{capability()}") if a in binary.asm["ptx"])
         report = subprocess.run([triton_tool("ptxas"), "-v", f"--gpu-name={arch}", ptx, "-o", os.path.join(tmp, "k.cubin")],
                                 capture_output=True, text=True, check=True).stderr
     number = lambda pattern: int(re.search(pattern, report)[1])  # noqa: E731
@@ -359,9 +388,6 @@ def expect_gpu_stops(results, kinds):
     return results
 
 
-H200_SHARED_PER_BLOCK = H200.shared_memory_per_block_optin  # the most a kernel may ask for (opt-in), bytes
-
-
 def flex_role(kernel: FlexKernel) -> str:
     """What the kernel computes, from its head dim and the tensors its mask reads: attention (128), the CP
     head's document mask (reads document ids) or its match mask (also tokens, targets, copyable)."""
@@ -373,11 +399,11 @@ def flex_role(kernel: FlexKernel) -> str:
 
 
 def cuda_path_model(cplm, max_seq_len, **config):
-    """The model as CUDA holds it (FP8 head, bf16 embeddings, flex attention), on the CPU: the speedrun preset's
-    size unless config (GPTConfig's fields) says otherwise."""
+    """The model as CUDA holds it (the FP8 head where the card has FP8, sm_89+, else bf16; bf16 embeddings, flex
+    attention), on the CPU: the speedrun preset's size unless config (GPTConfig's fields) says otherwise."""
     import train_gpt_cplm as tg
     torch.manual_seed(0)
-    model = tg.GPT(tg.GPTConfig(fp8_head=1, cplm=cplm, max_seq_len=max_seq_len, **config))
+    model = tg.GPT(tg.GPTConfig(fp8_head=int(capability() >= 89), cplm=cplm, max_seq_len=max_seq_len, **config))
     model.attention_backend = model.cp_backend = "flex"
     model.head_loss = tg.HeadLoss(model.config.logit_softcap, model.config.copy_id)
     for m in model.modules():  # as on CUDA: bf16 embeddings make the activations bf16
@@ -408,14 +434,15 @@ def speedrun_kernels(cplm, train_len=48 * 1024, val_len=256 * 1024):
 
 
 def kernel_table(cplm_modes=(0, 1)):
-    """Rows (mode, graph, role, kernel label, compile_sm90's report) for every distinct FlexAttention kernel of
-    the speedrun preset's modes; a kernel both modes compile is listed once, under vanilla."""
+    """Rows (mode, graph, role, kernel label, compile_cubin's report) for every distinct FlexAttention kernel of
+    the speedrun preset's modes, for the card (card(); an H200 by default); a kernel both modes compile is listed
+    once, under vanilla."""
     rows, seen = [], set()
     for cplm in cplm_modes:
         for graph, kernel in speedrun_kernels(cplm):
             if kernel.source not in seen:
                 seen.add(kernel.source)
-                rows.append(("CPLM" if cplm else "vanilla", graph, flex_role(kernel), kernel, compile_sm90(kernel)))
+                rows.append(("CPLM" if cplm else "vanilla", graph, flex_role(kernel), kernel, compile_cubin(kernel)))
     return rows
 
 
@@ -452,7 +479,7 @@ def allocations(fn, *inputs):
                 events.extend((name.strip(), None) for name in m[1].split(",") if name.strip().startswith("buf"))
         raise _Lowered
 
-    with _as_sm90(), unittest.mock.patch.object(GraphLowering, "codegen", read_wrapper):
+    with _as_gpu(), unittest.mock.patch.object(GraphLowering, "codegen", read_wrapper):
         lower(fn, *inputs, sm90=True, generate=True)
     return events
 
@@ -488,17 +515,24 @@ def evaluation_memory(cplm, T=256 * 1024, **config):
     return peak, largest, weights + states
 
 
-if __name__ == "__main__":  # the table in records/gpu/README.md: python3 tools/preflight.py (Triton needed)
+if __name__ == "__main__":  # records/gpu/README.md's tables: python3 tools/preflight.py [sm_90 sm_80 sm_89] (Triton)
     import sys
     import time
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    t0 = time.perf_counter()
-    table = kernel_table()
     import triton
-    print(f"torch {torch.__version__}, triton {triton.__version__}; sm_90 ({time.perf_counter() - t0:.0f}s)")
-    print(markdown_table(table))
-    for cplm in (0, 1):
-        peak, largest, resident = evaluation_memory(cplm)
-        print(f"{'CPLM' if cplm else 'vanilla'}: a 256Ki-token validation row: its graph's buffers peak at "
-              f"{peak / 2 ** 30:.1f} GiB (largest {largest / 2 ** 30:.1f} GiB); weights and optimizer states "
-              f"{resident / 2 ** 30:.1f} GiB; together {(peak + resident) / 2 ** 30:.1f} GiB")
+    names = sys.argv[1:] or ["sm_90"]
+    for name in names:
+        t0 = time.perf_counter()
+        with card(name) as gpu:
+            table = kernel_table()
+        too_big = [row for row in table if row[4]["shared"] > gpu.shared_memory_per_block_optin]
+        print(f"torch {torch.__version__}, triton {triton.__version__}; {name}, {gpu.name}, "
+              f"{gpu.shared_memory_per_block_optin} B of shared memory a block ({time.perf_counter() - t0:.0f}s); "
+              f"{len(too_big)} kernels would not launch", flush=True)
+        print(markdown_table(table), flush=True)
+    if "sm_90" in names:
+        for cplm in (0, 1):
+            peak, largest, resident = evaluation_memory(cplm)
+            print(f"{'CPLM' if cplm else 'vanilla'}: a 256Ki-token validation row: its graph's buffers peak at "
+                  f"{peak / 2 ** 30:.1f} GiB (largest {largest / 2 ** 30:.1f} GiB); weights and optimizer states "
+                  f"{resident / 2 ** 30:.1f} GiB; together {(peak + resident) / 2 ** 30:.1f} GiB")
