@@ -190,8 +190,8 @@ def test_first_call_dry_run_reports_through_a_failure_and_a_hang(tmp_path):
     fallback is timed it is timed again (vanilla_quiet), and the ratio compares the two quiet windows; then each
     mode's evaluation. The report comes out whole within the deadline and names what failed."""
     report, elapsed, _ = run_first_call(tmp_path, "cplm:fail,refcheck:hang,cplm_dense:slow_compile=30",
-                                        deadline=120)
-    assert elapsed < 120  # about 50 s on 2 idle cores; the deadline leaves room for a loaded machine
+                                        deadline=180)
+    assert elapsed < 180  # about 70 s on 2 busy cores; the deadline leaves room for a loaded machine
     assert "bf16 GEMM 512^3:" in report and "FP8 _scaled_mm smoke test: relative error" in report
     assert "cplm: exit 7 -- injected failure before warm-up" in report
     assert "CPLM with the dense CP sums instead" in report
@@ -221,8 +221,9 @@ def test_first_call_dry_run_times_vanilla_while_cplm_never_compiles(tmp_path):
                      r"cplm compiled;", report, re.M), report
     assert re.search(r"^cplm: killed \(at the deadline\) after \d+s; never finished compiling; steps 0; step time none",
                      report, re.M), report
-    assert "cplm/vanilla step time ratio: none (a mode has no window with no compile beside it, and no time was " \
-        "left to time it again alone: vanilla: steps 2-4, timed while cplm compiled)" in report
+    assert "cplm/vanilla step time ratio: none (a mode has no window with no compile beside it (its re-run alone did " \
+        "not fit the time left, failed, or was itself timed beside a compile): vanilla: steps 2-4, timed while cplm " \
+        "compiled)" in report
     assert "vanilla_quiet" not in report
 
 
@@ -231,14 +232,17 @@ def test_first_call_dry_run_times_cplm_again_when_it_was_timed_beside_a_compile_
     timed again alone (cplm_quiet) and the ratio compares two windows with no compile beside them, never a
     contaminated one with a clean one. No shards at --data: the call makes synthetic FineWeb-like documents in its
     work folder and says so; training on them lowers the loss. The CUDA CP check (on CPU) runs to its PASS."""
-    report, elapsed, _ = run_first_call(tmp_path, "vanilla:slow_compile", deadline=120, shards=False)
-    assert elapsed < 120
+    report, elapsed, _ = run_first_call(tmp_path, "vanilla:slow_compile", deadline=150, shards=False)
+    assert elapsed < 150
     assert re.search(r"^refcheck: ok; .*\| cuda cp check: PASS$", report, re.M), report  # given the time to pass
     assert f"no shards at --data {tmp_path / 'data'}: synthetic FineWeb-like documents instead" in report
     assert re.search(r"^cplm: ok; .*\(steps 2-4, timed while vanilla(, refcheck)? compiled;", report, re.M), report
     assert re.search(r"cplm was timed while vanilla(, refcheck)? compiled: cplm once more, alone \(cplm_quiet", report)
-    assert re.search(r"^cplm_quiet/vanilla step time ratio: \d\.\d{3} \(cplm_quiet: steps 2-4, no compile beside it; "
-                     r"vanilla: steps 2-4, no compile beside it\)$", report, re.M), report
+    # vanilla's own window is clean unless the reference check was still compiling then (a loaded machine): then
+    # vanilla is timed again alone too; either way the ratio compares two windows with no compile beside them
+    assert re.search(r"^cplm_quiet/(vanilla|vanilla_quiet) step time ratio: \d\.\d{3} \(cplm_quiet: steps 2-4, no "
+                     r"compile beside it; (vanilla|vanilla_quiet): steps 2-4, no compile beside it\)$", report,
+                     re.M), report
     losses = [float(x) for x in re.search(r"^vanilla: ok; .*; train loss 1:([\d.]+), 2:[\d.]+, 3:[\d.]+, 4:([\d.]+);",
                                           report, re.M).groups()]
     assert losses[1] < losses[0] - 0.3

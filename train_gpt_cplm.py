@@ -1268,9 +1268,9 @@ def use_heap_for_large_tensors():
         pass
 
 
-def fp8_available(device):
-    """FP8 matmuls need an sm_89+ GPU (Ada, Hopper, Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+def use_fp8_head(flag, device):
+    """--fp8_head: 1 on, 0 off, -1 where the GPU has FP8 matmuls (sm_89+: Ada, Hopper, Blackwell)."""
+    return flag == 1 or flag == -1 and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _terminate(signum, frame):  # a scheduler's SIGTERM ends the run through the log's "stopped:" line
@@ -1382,7 +1382,7 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
     if log.path:  # past the data checks, which refuse a run before it has a log
         print(f"log: {log.path}", flush=True)  # stdout only
 
-    fp8_head = a.fp8_head == 1 or (a.fp8_head == -1 and fp8_available(device))
+    fp8_head = use_fp8_head(a.fp8_head, device)
     if a.fp8_head == -1 and device.type == "cuda" and not fp8_head:
         log(f"notice: {torch.cuda.get_device_name(device)} has no FP8 matmul: the LM head runs in bf16")
     compile_model = a.compile == 1 or (a.compile == -1 and device.type == "cuda")

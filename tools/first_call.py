@@ -53,7 +53,7 @@ ROOT = os.path.dirname(HERE)
 RECORD_STEP_MS = 99.9  # the 2025-01-26 record: 2.93 min over its 1760 timed steps on 8xH100, communication included
 REPORT_RESERVE_S = 25  # kept back at the end for the report and the packing (8 s in a dry run)
 REFCHECK_TURN_S = 30  # the reference check holds the GPU (its timed part, the reference) at most this long (20 s dry)
-QUIET_MIN_S = 120  # vanilla is timed again only with this much time left: a warm-cache compile and 40 steps (15 s dry)
+QUIET_MIN_S = 120  # a mode is timed again alone only with this much left: a warm-cache compile and 40 steps (15 s dry)
 TIMED = ("vanilla", "cplm", "cplm_dense")  # each may be timed again alone as <name>_quiet
 TRAINING = TIMED + tuple(f"{name}_quiet" for name in TIMED)
 MARKERS = {"warm-up done": "warm-up done", "gpu turn": "gpu turn", "final": "^final "}  # in a job's stdout
@@ -407,8 +407,9 @@ def write_summary(report, args, work, jobs):
                + ("; the dense CP sums: flex failed)" if cplm.startswith("cplm_dense") else ")"))
     else:
         why = "; ".join(f"{name}: {w[1]}" for name, w in window.items() if name not in clean)
-        report("cplm/vanilla step time ratio: none (" + (f"a mode has no window with no compile beside it, and no time "
-               f"was left to time it again alone: {why})" if why else "a mode gave no step time: see above)"))
+        report("cplm/vanilla step time ratio: none (" + (f"a mode has no window with no compile beside it (its re-run "
+               f"alone did not fit the time left, failed, or was itself timed beside a compile): {why})" if why else
+               "a mode gave no step time: see above)"))
 
 
 def main(argv=None):
@@ -448,8 +449,6 @@ def main(argv=None):
     device = "cpu" if args.dry_run else "cuda"
     report(f"first call: deadline {args.deadline_s:.0f}s, {args.steps} timed steps a mode"
            + (" (dry run on CPU)" if args.dry_run else "") + f"; work folder {work}")
-    if synthetic:
-        report(make_synthetic_data(args, work))
     injected = dict(x.split(":") for x in args.inject.split(",") if x)
 
     def maybe_injected(name, cmd):
@@ -481,6 +480,8 @@ def main(argv=None):
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, stopped)
     try:
+        if synthetic:
+            report(make_synthetic_data(args, work))
         jobs += [Job(name, maybe_injected(name, cmd), work, env) for name, cmd in (
             ("vanilla", train_cmd(args, work, 0, "vanilla")), ("cplm", train_cmd(args, work, 1, "cplm")),
             ("refcheck", refcheck))]
@@ -501,7 +502,7 @@ def main(argv=None):
             if not job.name.startswith(("refcheck", "eval_")):  # its numbers now: a call killed later keeps them
                 report(f"  {job_result(job, jobs, work)[0]}")
             report.pack()
-            return fallback(job) + quiet(job)
+            return fallback(job) or quiet(job)  # a fallback just started is running: no quiet re-run beside it
 
         def fallback(job):  # CPLM (flex) died before its warm-up ended, or the reference check found flex
             # unusable (exit 3): the dense CP sums in its place, if time is left

@@ -123,7 +123,7 @@ def capability():
 
 @dataclasses.dataclass
 class FlexKernel:
-    """One FlexAttention kernel as inductor rendered it for an sm_90 GPU (a Triton template's module)."""
+    """One FlexAttention kernel as inductor rendered it for the card (a Triton template's module)."""
     op: str             # flex_attention or flex_attention_backward
     module_path: str
     kernel_name: str
@@ -189,7 +189,7 @@ def _rendered_templates(into: list):
 @contextlib.contextmanager
 def _flex_lowered_as_on_gpu(stops: list, kernels: list | None = None):
     """FlexAttention's lowerings see a CUDA device and, where they reach Triton, leave placeholders.
-    kernels (a list): render each op's kernel for sm_90 instead (Triton needed), keep it there, and leave
+    kernels (a list): render each op's kernel for the card instead (Triton needed), keep it there, and leave
     placeholders in the graph, whose other nodes stay on the CPU."""
     from torch._inductor import ir
     from torch._inductor.lowering import lowerings
@@ -223,7 +223,7 @@ def _flex_lowered_as_on_gpu(stops: list, kernels: list | None = None):
             kernels.append(FlexKernel(str(op).rsplit(".", 1)[-1], choice.bmreq.module_path, choice.bmreq.kernel_name,
                                       choice.bmreq.num_warps, choice.bmreq.num_stages,
                                       dict(kernel.inductor_meta.get("config_args", {})), kernel.fn.src))
-        stops.append((str(op), "rendered for sm_90"))
+        stops.append((str(op), f"rendered for sm_{capability()}"))
         return tree_map(placeholder, V.graph.current_node.meta["val"])
 
     def wrap(op, lower):
@@ -287,10 +287,10 @@ def lower(fn, *inputs, backward=True, sm90=False, generate=False):
     """Compiles fn (a function or module) on `inputs` as torch.compile(fullgraph=True, dynamic=False) would on
     CUDA, runs it once (and its backward, when `backward` and the output needs a gradient), and returns a
     GraphResult per graph inductor lowered. The run itself is eager (FlexAttention's math path on CPU).
-    sm90: each FlexAttention op's kernel is rendered for an sm_90 GPU (GraphResult.kernels), each graph stops
-    once lowered, and nothing is computed: each graph returns empty tensors of its outputs' shapes, so the
-    speedrun's shapes (48Ki-token rows) cost no more memory or time than small ones; with generate, code
-    generation still runs (allocations() reads it)."""
+    sm90: each FlexAttention op's kernel is rendered for the card (card(): sm_90 unless set; GraphResult.kernels),
+    each graph stops once lowered, and nothing is computed: each graph returns empty tensors of its outputs'
+    shapes, so the speedrun's shapes (48Ki-token rows) cost no more memory or time than small ones; with
+    generate, code generation still runs (allocations() reads it)."""
     import torch.nn.attention.flex_attention as flex_module
     from functorch.compile import make_boxed_func
     results = []
@@ -420,7 +420,7 @@ def packed_row(T, seed, doc_len=3000, bos=50256):
 
 
 def speedrun_kernels(cplm, train_len=48 * 1024, val_len=256 * 1024):
-    """Every FlexAttention kernel the speedrun preset compiles on an H100/H200 in one mode, rendered for sm_90
+    """Every FlexAttention kernel the speedrun preset compiles on a GPU in one mode, rendered for the card (card())
     at the preset's shapes: training (one 48Ki-token row per GPU, forward and backward) and evaluation (one
     256Ki-token row). Returns [(graph, FlexKernel)], one per op (kernel_table keeps one per distinct source)."""
     model = cuda_path_model(cplm, val_len)
@@ -458,7 +458,7 @@ def markdown_table(rows):
 
 def allocations(fn, *inputs):
     """The buffers inductor's compiled code for fn allocates and frees, in order, as its wrapper code says:
-    [(name, bytes) or (name, None) for a free]. Lowered and scheduled as on CUDA with an sm_90 driver (Triton
+    [(name, bytes) or (name, None) for a free]. Lowered and scheduled as on CUDA with the card's driver (Triton
     needed; FlexAttention ops are placeholders of their outputs' shapes), nothing computed: so the peak of a
     256Ki-token evaluation can be read from its graph on a CPU."""
     events = []
