@@ -73,7 +73,8 @@ def test_the_default_cp_options_spill(monkeypatch):
 
 def logits_buffers(fn, T, model):
     window = torch.tensor(14, dtype=torch.int32)
-    sizes = [s for _, s in preflight.allocations(fn, *preflight.packed_row(T, 1), window) if isinstance(s, int)]
+    graphs = preflight.wrapper_graphs(fn, *preflight.packed_row(T, 1), window)
+    sizes = [s for graph in graphs for s in graph.allocated()]
     V = model.config.padded_vocab
     return {"float32": sizes.count(T * V * 4), "bf16": sizes.count(T * V * 2), "largest": max(sizes) / (T * V)}
 
@@ -98,3 +99,38 @@ def test_the_float32_logits_check_can_fail():
         model = preflight.cuda_path_model(cplm, T, num_layers=2, no_attention_layer=-1)
         found[cplm] = logits_buffers(model, T, model)
     assert found[0]["float32"] >= 1 and found[1]["float32"] == 0, found
+
+
+@pytest.mark.parametrize("cplm", [0, 1])
+def test_the_memory_reading_ends_a_backward_with_the_gradients_to_the_byte(cplm):
+    """step_memory's reading of a training step (2 layers, 2048-token rows): the backward's buffers still alive
+    at its return are the parameters' gradients, byte for byte, and the forward hands the backward exactly
+    what it saved (one name per input): a missed allocation, reuse or free would show in either."""
+    T = 2048
+    model = preflight.cuda_path_model(cplm, T, num_layers=2)
+    window = torch.tensor(14, dtype=torch.int32)
+    forward, backward = preflight.wrapper_graphs(model, *preflight.packed_row(T, 0), window)
+    _, saved = forward.replay()
+    handed = {b: saved[f] for f, b in zip(forward.outputs[1:], backward.inputs) if f in saved}
+    assert len(handed) == len([f for f in forward.outputs[1:] if not f.startswith("primals_")])
+    _, alive = backward.replay(handed)
+    assert sum(dict(alive.values()).values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                    reason="compiling every kernel needs fake CUDA tensors: a CUDA build of torch (the default wheel)")
+@pytest.mark.parametrize("name", list(preflight.CARDS))
+def test_every_kernel_of_a_training_step_compiles_for_the_card(name):
+    """Beyond the FlexAttention kernels: every Triton kernel inductor's CUDA path makes for a CPLM training step
+    (pointwise, reductions, FlexAttention's templates with what inductor fused into them), compiled for the card
+    at a small size (2 layers, 1024-token rows; the preset's: `python3 tools/preflight.py every`), each within its
+    shared memory a block."""
+    with preflight.card(name) as gpu:
+        model = preflight.cuda_path_model(1, 1024, num_layers=2)
+        kernels, seconds, _ = preflight.compile_every_kernel(model, *preflight.packed_row(1024, 0),
+                                                             torch.tensor(14, dtype=torch.int32))
+    assert set(seconds) == {"forward", "backward"} and len(kernels) > 50, (seconds, len(kernels))
+    for graph, op in (("forward", "flex_attention"), ("backward", "flex_attention_backward")):
+        assert any(k.graph == graph and op in k.name for k in kernels), (graph, op)
+    too_big = [(k.graph, k.name, k.shared) for k in kernels if k.shared > gpu.shared_memory_per_block_optin]
+    assert not too_big and all(len(k.cubin) > 0 for k in kernels), too_big

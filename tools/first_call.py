@@ -12,21 +12,21 @@ command that makes them, exit 1); no shards at all: synthetic FineWeb-like docum
      reference (cuda_cp_check.py). They compile at the same time on the machine's cores; only the timed loops
      take turns on the GPU (a file lock, CPLM_GPU_TURN, taken after the untimed warm-up), each as soon as it
      is warm, whatever the others are doing: a slow CPLM compile costs nothing of vanilla's number. The
-     training jobs run with --val_tokens 0 (no validation: no evaluation graph to compile) and
-     --train_loss_every 10; coordinate-descent tuning is off (--coordinate_descent 0): the record's kernels
-     are tuned with it, these are not;
+     training jobs validate on one row of the record's 256Ki tokens, in the warm-up (which compiles the
+     evaluation graph beside the training's: tools/preflight.py's CPU estimate is 20-30 s of compile work a
+     mode) and once after the timed steps, so each job's log has its peak memory in validation as well as in
+     training; --train_loss_every 10; coordinate-descent tuning is off (--coordinate_descent 0): the
+     record's kernels are tuned with it, these are not;
   2. meanwhile, in this process: versions, the GPU, a bf16 GEMM rate and an FP8 (_scaled_mm) smoke test;
   3. if CPLM (flex) dies before its warm-up ends and time is left, CPLM with the dense CP sums (one chunk
      per row: one compiled shape) in its place;
   4. once every job has ended, a mode whose timed loop ran while another job compiled is timed once more,
      alone (vanilla_quiet, cplm_quiet or cplm_dense_quiet; its compile cache is warm by then), one at a time
      while time is left;
-  5. if time is left, one evaluation of each mode at the record's 256Ki-token rows (its memory and the val
-     loss at step 0: the only evaluation);
-  6. the report, from whatever came back: per job the compile time, the step time over the second half of
+  5. the report, from whatever came back: per job the compile time, the step time over the second half of
      the timed steps (between two train_loss lines, each read after a host sync: steps 20-40, 1/20 ms
      resolution) and whether another job was compiling during its timed loop, the train losses (the sign
-     that training works), peak training memory, recompiles after warm-up; the CPLM / vanilla step-time ratio
+     that training works), peak memory in training and in validation, recompiles after warm-up; the CPLM / vanilla step-time ratio
      from two windows with no compile beside them (else no ratio, and why) and which windows it compares;
      sum L^2 / T^2 of the timed rows; which parts failed and why.
 $OUT only ever holds report.txt (written line by line, flushed) and logs.tar.gz (the children's logs, kept in
@@ -239,13 +239,16 @@ def make_synthetic_data(args, work):
 
 
 def train_cmd(args, work, mode, name, extra=()):
-    """One mode of the speedrun preset as one of the record's 8 GPUs runs it: one 48Ki-token row a step. No
-    validation (--val_tokens 0: nothing compiled for it); the train loss every quarter of the steps, each read
-    after a host sync, so the train_time on those lines is exact."""
+    """One mode of the speedrun preset as one of the record's 8 GPUs runs it: one 48Ki-token row a step; one
+    validation row of 256Ki tokens, the record's (512 in a dry run), in the warm-up and after the last step
+    (outside the timed window); the train loss every quarter of the steps, each read after a host sync, so the
+    train_time on those lines is exact."""
+    val_row = str(512 if args.dry_run else 262144)
     py = [sys.executable, "train_gpt_cplm.py", "--run_id", name, "--log_dir", os.path.join(work, "logs"),
           "--overwrite", "1", "--cplm", str(mode), "--train_files", os.path.join(args.data, "*_train_*.bin"),
           "--val_files", os.path.join(args.data, "*_val_*.bin"), "--num_iterations", str(args.steps),
-          "--val_tokens", "0", "--train_loss_every", str(max(1, args.steps // 4))]
+          "--val_tokens", val_row, "--val_seq_len", val_row, "--val_loss_every", "0",
+          "--train_loss_every", str(max(1, args.steps // 4))]
     if args.dry_run:  # the cpu preset, tiny: the same program path on a CPU in seconds
         return py + ["--preset", "cpu", "--num_layers", "2", "--model_dim", "64", "--num_heads", "2",
                      "--batch_size", "256", "--seq_len", "256", "--warmup_steps", "1", *extra]
@@ -362,7 +365,8 @@ def job_result(j, jobs, work):
             + f"steps {log['steps']}; step time "
             + (f"{timed[0]:.2f} ms ({words}; 1/{timed[2] - timed[1]} ms resolution)" if timed else "none") + "; "
             + f"train loss {', '.join(f'{s}:{v:.4f}' for s, v, _ in log['train_loss']) or 'none'}; "
-            + f"peak memory training {log['peak_train'] or '-'} MiB; "
+            + f"peak memory training {log['peak_train'] or '-'} MiB, validation {log['peak_eval'] or '-'} MiB; "
+            + (f"val loss {log['val_loss'][-1][1]:.4f}; " if log["val_loss"] else "")
             + f"recompiles after warm-up {recompiles_after_warmup(j.text())}")
     return line, window
 
@@ -375,8 +379,6 @@ def write_summary(report, args, work, jobs):
         if j.name.startswith("refcheck"):
             lines = [x for x in j.text().splitlines() if x.strip()]
             report(f"{j.name}: {j.status()}; " + " | ".join(lines[-9:]) if lines else f"{j.name}: {j.status()}; no output")
-            continue
-        if j.name.startswith("eval_"):
             continue
         line, timed = job_result(j, jobs, work)
         if timed:
@@ -499,7 +501,7 @@ def main(argv=None):
         fell_back = []
 
         def on_exit(job):
-            if not job.name.startswith(("refcheck", "eval_")):  # its numbers now: a call killed later keeps them
+            if not job.name.startswith("refcheck"):  # its numbers now: a call killed later keeps them
                 report(f"  {job_result(job, jobs, work)[0]}")
             report.pack()
             return fallback(job) or quiet(job)  # a fallback just started is running: no quiet re-run beside it
@@ -531,7 +533,7 @@ def main(argv=None):
             return []
 
         run_jobs(jobs, deadline, report, on_exit)
-        finish(args, work, report, jobs, deadline, dense if fell_back else [])
+        write_summary(report, args, work, jobs)
     finally:  # whatever happened above: no child left running, the logs packed into $OUT, the work folder gone
         for j in jobs:
             j.kill("the driver stopped")
@@ -539,29 +541,6 @@ def main(argv=None):
         report(f"logs packed into logs.tar.gz; total {time.monotonic() - T0:.0f}s of a {args.deadline_s:.0f}s deadline")
         shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-def finish(args, work, report, jobs, deadline, cplm_flags):
-    """The evaluations at the record's 256Ki-token rows (a dry run: 512), one at a time (memory), if time is
-    left; then the summary."""
-    rows = 512 if args.dry_run else 262144
-    if deadline - time.monotonic() > (10 if args.dry_run else 120):
-        report("")
-        report(f"== evaluation at {rows}-token rows (memory; the val loss at step 0) ==")
-        eval_jobs = []
-        for name, mode, extra in (("cplm", 1, cplm_flags), ("vanilla", 0, [])):
-            eval_jobs.append(Job(f"eval_{name}", train_cmd(args, work, mode, f"eval_{name}", extra) + [
-                "--num_iterations", "0", "--warmup_steps", "0", "--val_seq_len", str(rows), "--val_tokens", str(rows)],
-                work, {"TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1"}))
-            run_jobs(eval_jobs[-1:], deadline, report, lambda j: report.pack() or [])
-        for j in eval_jobs:
-            log = parse_train_log(os.path.join(work, "logs", f"{j.name}.txt"))
-            val = f"{log['val_loss'][0][1]:.4f}" if log["val_loss"] else "none"
-            report(f"{j.name}: {j.status()}; val loss at step 0 {val}; "
-                   f"peak memory of validation {log['peak_eval'] or '-'} MiB"
-                   + ("" if j.rc == 0 else f" -- {j.last_line()}"))
-        jobs += eval_jobs
-    write_summary(report, args, work, jobs)
 
 
 T0 = time.monotonic()

@@ -32,10 +32,12 @@ What only a GPU can show: autotuning, FP8 matmuls in hardware, memory, speed (re
 import contextlib
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import subprocess
 import tempfile
+import time
 import types
 import unittest.mock
 
@@ -164,6 +166,7 @@ def _as_gpu():
     saved = driver._active
     driver.set_active(Gpu())
     props = lambda *a, **k: _card  # noqa: E731
+    _forget_the_card()
     try:
         with unittest.mock.patch("torch.cuda.get_device_properties", props), \
                 unittest.mock.patch("torch._dynamo.device_interface.CudaInterface.get_device_properties", props), \
@@ -171,6 +174,18 @@ def _as_gpu():
             yield
     finally:
         driver._active = saved
+        _forget_the_card()
+
+
+def _forget_the_card():
+    """Inductor caches what it read of the device for the whole process (its capability, which the Triton compile
+    targets, and SM count): one card's answers must not reach the next card's kernels."""
+    from torch._inductor import utils
+    from torch._inductor.runtime.hints import DeviceProperties
+    for cached in (DeviceProperties.create, getattr(utils, "is_big_gpu", None),
+                   getattr(utils, "get_max_num_sms", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def _rendered_templates(into: list):
@@ -378,6 +393,127 @@ def compile_cubin(kernel: FlexKernel) -> dict:
                 spill_stores=number(r"(\d+) bytes spill stores"), spill_loads=number(r"(\d+) bytes spill loads"))
 
 
+@dataclasses.dataclass
+class CompiledKernel:
+    """One Triton kernel of a graph as inductor's CUDA path compiled it for the card (one per config it tried)."""
+    graph: str      # forward, backward or inference
+    name: str
+    cubin: bytes
+    shared: int     # dynamic shared memory, bytes
+    num_warps: int
+    config: dict    # the launch config: block sizes, num_stages
+
+    def usage(self):
+        """cuobjdump's resource usage of the machine code: registers, stack and local memory (spills) per thread."""
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(self.cubin)
+            f.flush()
+            report = subprocess.run([triton_tool("cuobjdump"), "-res-usage", f.name], capture_output=True,
+                                    text=True, check=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", report)
+        return dict(registers=int(m[1]), stack=int(m[2]), static_shared=int(m[3]), local=int(m[4]))
+
+
+@contextlib.contextmanager
+def _cuda_as_the_card():
+    """torch and inductor see a CUDA device, the card (card()), so that a graph on fake CUDA tensors compiles as
+    on it; Triton compiles every kernel for it with its bundled ptxas and nothing is loaded or launched."""
+    from torch._dynamo.device_interface import CudaInterface
+    from torch._inductor.runtime import triton_helpers
+    with _as_gpu(), \
+            unittest.mock.patch.object(CudaInterface, "is_available", staticmethod(lambda: True)), \
+            unittest.mock.patch.object(CudaInterface, "is_bf16_supported", staticmethod(lambda **k: True)), \
+            unittest.mock.patch("torch.cuda.current_device", lambda: 0), \
+            unittest.mock.patch("torch.cuda.device_count", lambda: 1), \
+            unittest.mock.patch("torch._inductor.scheduler.has_triton", lambda: True), \
+            unittest.mock.patch("torch.utils._triton.has_triton", lambda: True), \
+            unittest.mock.patch.object(triton_helpers, "set_driver_to_gpu", lambda: None), \
+            inductor_config.patch(compile_threads=1):
+        yield
+
+
+def _on_fake_cuda(gm, example_inputs):
+    """The graph (and its FlexAttention subgraphs) and its inputs moved to fake CUDA tensors: metadata only."""
+    fake = torch._guards.detect_fake_mode(example_inputs) or torch._guards.TracingContext.get().fake_mode
+
+    def move(v):
+        if not isinstance(v, torch.Tensor) or v.device.type != "cpu":
+            return v
+        with fake:
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+    for sub in [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]:
+        for node in sub.graph.nodes:
+            if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type == "cpu":
+                node.kwargs = {**node.kwargs, "device": torch.device("cuda", 0)}
+            if "val" in node.meta:
+                node.meta["val"] = tree_map(move, node.meta["val"])
+        sub.recompile()
+    return gm, [move(x) for x in example_inputs]
+
+
+def _cpu_seconds():
+    """CPU time of this process and its children (ptxas): compile work, not the wall clock a busy CPU stretches."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def compile_every_kernel(fn, *inputs, backward=True):
+    """Every Triton kernel of fn's graphs (pointwise, reductions, templates, FlexAttention's) compiled as inductor's
+    CUDA path compiles it for the card (card(); an H200 by default): traced on the CPU, each graph is moved to
+    fake CUDA tensors and compiled by the real compile_fx_inner, whose Triton compiles go to the card's machine
+    code. Needs a CUDA build of torch (fake CUDA tensors) and Triton; nothing runs. Returns ([CompiledKernel],
+    {graph kind, or "all": CPU seconds}, {graph kind: CPU seconds of Triton's compiles, ptxas included}): what a GPU
+    machine's compile spends there, whatever else shares this CPU."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    import torch.nn.attention.flex_attention as flex_module
+    kernels, seconds, compiling = [], {}, {}
+    kind = ["?"]
+
+    def record(self):  # instead of loading the machine code onto a GPU
+        for result in self.compile_results:
+            k = result.kernel
+            cubin = getattr(k, "cubin_raw", None) or k.asm["cubin"]
+            shared = k.shared if hasattr(k, "shared") else k.metadata.shared
+            warps = k.num_warps if hasattr(k, "num_warps") else k.metadata.num_warps
+            config = getattr(result, "config", None)
+            config = {**getattr(config, "kwargs", {}), "num_stages": getattr(config, "num_stages", None)}
+            kernels.append(CompiledKernel(kind[0], self.fn.__name__, cubin, shared, warps, config))
+        self.launchers = []
+    precompile = CachingAutotuner.precompile
+
+    def timed_precompile(self, *args, **kwargs):
+        t0 = _cpu_seconds()
+        try:
+            return precompile(self, *args, **kwargs)
+        finally:
+            compiling[kind[0]] = compiling.get(kind[0], 0) + _cpu_seconds() - t0
+
+    def inner(gm, example_inputs, **kwargs):
+        kind[0] = ("backward" if kwargs.get("is_backward") else
+                   "inference" if kwargs.get("is_inference") else "forward")
+        t0 = _cpu_seconds()
+        with _cuda_as_the_card():
+            compile_fx_inner(*_on_fake_cuda(gm, example_inputs), **kwargs)
+        seconds[kind[0]] = _cpu_seconds() - t0
+        return _shaped_outputs(gm)
+
+    torch._dynamo.reset()
+    start = _cpu_seconds()
+    try:
+        with unittest.mock.patch.object(flex_module, "_validate_device", lambda *a, **k: None), \
+                unittest.mock.patch.object(CachingAutotuner, "_make_launchers", record), \
+                unittest.mock.patch.object(CachingAutotuner, "precompile", timed_precompile), \
+                inductor_config.patch(fx_graph_cache=False, force_disable_caches=True):
+            out = torch.compile(fn, backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=inner), fullgraph=True,
+                                dynamic=False)(*inputs)
+            if backward and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.sum().backward()
+        seconds["all"] = _cpu_seconds() - start  # with tracing and AOT autograd's partitioning
+    finally:
+        torch._dynamo.reset()
+    return kernels, seconds, compiling
+
+
 def expect_gpu_stops(results, kinds):
     """Asserts that the graphs of these kinds were lowered whole (code generation began), each stopping only
     where Triton is needed (and its FlexAttention ops only where a GPU is)."""
@@ -456,83 +592,184 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
-def allocations(fn, *inputs):
-    """The buffers inductor's compiled code for fn allocates and frees, in order, as its wrapper code says:
-    [(name, bytes) or (name, None) for a free]. Lowered and scheduled as on CUDA with the card's driver (Triton
-    needed; FlexAttention ops are placeholders of their outputs' shapes), nothing computed: so the peak of a
-    256Ki-token evaluation can be read from its graph on a CPU."""
-    events = []
+@dataclasses.dataclass
+class WrapperGraph:
+    """One graph's compiled wrapper code as memory sees it: its input names, the buffers it allocates, aliases
+    and frees, in order (("alloc", name, bytes), ("alias", name, of), ("free", name)), and the names it returns."""
+    kind: str
+    inputs: list
+    events: list
+    outputs: list
+
+    def replay(self, live=None):
+        """(peak bytes live at once, {name: (storage, bytes)} alive at the return): live, what is alive at the
+        start ({input name: (storage, bytes)}; inputs not in it, such as parameters, are not counted)."""
+        ref = {name: storage for name, (storage, _) in (live or {}).items()}
+        size = {storage: nbytes for storage, nbytes in (live or {}).values()}
+        peak = sum(size[s] for s in set(ref.values()))
+        for kind, name, arg in self.events:
+            if kind == "alloc":  # storages named by graph: a backward's buf0 is not its forward's
+                ref[name] = f"{self.kind}:{name}"
+                size[ref[name]] = arg
+            elif kind == "alias" and arg in ref:
+                ref[name] = ref[arg]
+            elif kind == "free":
+                ref.pop(name, None)
+            peak = max(peak, sum(size[s] for s in set(ref.values())))
+        return peak, {name: (ref[name], size[ref[name]]) for name in self.outputs if name in ref}
+
+    def allocated(self):
+        return [arg for kind, _, arg in self.events if kind == "alloc"]
+
+
+_ALLOC = re.compile(r"(buf\w+) = empty_strided_\w+\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)")
+_OUTPUT_OF = re.compile(r"(buf\w+) = buf\w+\[\d+\]$")  # one output of an op that allocates its own (custom op, sort)
+_REUSE = re.compile(r"(\w+) = (?:reinterpret_tensor\()?(\w+)\b.*; del \2  # reuse$")
+_ALIAS = re.compile(r"(\w+) = reinterpret_tensor\((\w+),.*# alias$")
+
+
+def _wrapper_graph(graph, code):
+    """Reads GraphLowering graph's wrapper code (text)."""
+    kind = "backward" if graph.is_backward else ("inference" if graph.is_inference else "forward")
+    inputs, events, outputs = [], [], []
+    for line in (line.strip() for line in code.splitlines()):
+        if m := _ALLOC.match(line):
+            numel = math.prod(int(n) for n in m[2].replace(",", " ").split())
+            events.append(("alloc", m[1], numel * getattr(torch, m[3]).itemsize))
+        elif m := _OUTPUT_OF.match(line):
+            layout = graph.name_to_buffer[m[1]].get_layout()
+            events.append(("alloc", m[1], int(layout.storage_size()) * layout.dtype.itemsize))
+        elif m := _REUSE.match(line):
+            events += [("alias", m[1], m[2]), ("free", m[2], None)]
+        elif m := _ALIAS.match(line):
+            events.append(("alias", m[1], m[2]))
+        elif m := re.fullmatch(r"del ([\w, ]+)", line):
+            events += [("free", name.strip(), None) for name in m[1].split(",") if name.strip()]
+        elif m := re.fullmatch(r"([\w, ]+) = args", line):
+            inputs = [name.strip() for name in m[1].split(",") if name.strip()]
+        elif line.startswith("return (") and inputs and not outputs:  # call()'s return
+            body = re.sub(r"\([\d, ]*\)", "", line[len("return ("):-1])
+            outputs = [x.strip() for x in re.sub(r"reinterpret_tensor\((\w+)[^)]*\)", r"\1", body).split(",")]
+            outputs = [x for x in outputs if x]
+    return WrapperGraph(kind, inputs, events, outputs)
+
+
+def wrapper_graphs(fn, *inputs):
+    """Every graph inductor compiles for fn on the card (forward and backward when the output needs a gradient,
+    else one inference graph), read from its wrapper code: what it allocates and frees, in order. Lowered and
+    scheduled as on CUDA with the card's driver (Triton needed; FlexAttention ops are placeholders of their
+    outputs' shapes), nothing computed: so the peak of a 48Ki-token training step or a 256Ki-token evaluation
+    can be read from its graphs on a CPU."""
+    graphs = []
     codegen = GraphLowering.codegen
 
     def read_wrapper(self, *args, **kwargs):
         code, *rest = codegen(self, *args, **kwargs)
-        text = code if isinstance(code, str) else getattr(code, "value", str(code))
-        for line in text.splitlines():
-            if m := re.match(r"\s*(buf\w+) = empty_strided_\w+\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)", line):
-                numel = 1
-                for n in filter(None, (x.strip() for x in m[2].split(","))):
-                    numel *= int(n)
-                events.append((m[1], numel * getattr(torch, m[3]).itemsize))
-            elif m := re.match(r"\s*(buf\w+) = (buf\w+); del \2", line):  # a buffer reused under a new name
-                events.append((m[1], ("reuse", m[2])))
-            elif m := re.match(r"\s*del ([\w, ]+)$", line):
-                events.extend((name.strip(), None) for name in m[1].split(",") if name.strip().startswith("buf"))
+        graphs.append(_wrapper_graph(self, code if isinstance(code, str) else getattr(code, "value", str(code))))
         raise _Lowered
 
     with _as_gpu(), unittest.mock.patch.object(GraphLowering, "codegen", read_wrapper):
         lower(fn, *inputs, sm90=True, generate=True)
-    return events
+    return graphs
 
 
-def peak_bytes(events):
-    """Peak of the bytes live at once, and the largest single buffer, from allocations()' events."""
-    live, peak, largest = {}, 0, 0
-    for name, size in events:
-        if isinstance(size, tuple):
-            live[name] = live.pop(size[1], 0)
-        elif size is None:
-            live.pop(name, None)
-        else:
-            live[name] = size
-            largest = max(largest, size)
-        peak = max(peak, sum(live.values()))
-    return peak, largest
-
-
-def evaluation_memory(cplm, T=256 * 1024, **config):
-    """What one validation row of T tokens holds on the GPU, read from its lowered graph: (peak of the graph's
-    own buffers, its largest buffer, the bytes of weights and optimizer states that stay resident), bytes."""
+def step_memory(cplm, T, training=True, token_stats=True, grad_accum=1, **config):
+    """What one rank holds at its peak in a training step (a micro-batch of one T-token row) or an evaluation
+    (one T-token row), read from the lowered graphs: dict of bytes. resident: weights and optimizer states;
+    graphs: the graphs' own buffers at their peak (a backward's include what its forward saved for it, freed
+    as the backward reads them for the last time); grads: gradients already there when a micro-step starts
+    (from grad_accum = 2 on). Not counted: the allocator's fragmentation, NCCL's buffers, the optimizer step's
+    temporaries (Muon's updates: at most world size x the largest matrix)."""
     import train_gpt_cplm as tg
-    model = cuda_path_model(cplm, T, **config).eval()
+    model = cuda_path_model(cplm, T, **config)
     window = torch.tensor(14, dtype=torch.int32)
-    with torch.no_grad():
-        events = allocations(lambda a, b, w: model(a, b, w, token_stats=True), *packed_row(T, 1), window)
-    peak, largest = peak_bytes(events)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     adam, muon = tg.build_optimizers(model, tg.Hyperparameters(cplm=cplm), 0, 1)
     states = sum(p.numel() * p.element_size() * (2 if opt is adam else 1)  # Adam: two moments; Muon: momentum
                  for opt in (adam, muon) for g in opt.param_groups for p in g["params"])
-    return peak, largest, weights + states
+    if training:
+        forward, backward = wrapper_graphs(model, *packed_row(T, 0), window)
+        assert (forward.kind, backward.kind) == ("forward", "backward"), (forward.kind, backward.kind)
+        forward_peak, saved = forward.replay()
+        # the forward returns (loss, *saved): the backward's inputs are (*saved, the loss's gradient)
+        assert len(forward.outputs) == len(backward.inputs), (len(forward.outputs), len(backward.inputs))
+        handed = {b: saved[f] for f, b in zip(forward.outputs[1:], backward.inputs) if f in saved}
+        graphs = max(forward_peak, backward.replay(handed)[0])
+    else:
+        model.eval()
+        with torch.no_grad():
+            (inference,) = wrapper_graphs(lambda a, b, w: model(a, b, w, token_stats=token_stats), *packed_row(T, 1),
+                                          window)
+        graphs = inference.replay()[0]
+    grads = weights if training and grad_accum > 1 else 0
+    return dict(resident=weights + states, graphs=graphs, grads=grads, total=weights + states + graphs + grads)
 
 
-if __name__ == "__main__":  # records/gpu/README.md's tables: python3 tools/preflight.py [sm_90 sm_80 sm_89] (Triton)
+def memory_table(train_lens=(48 * 1024, 24 * 1024, 12 * 1024), val_lens=(256 * 1024, 64 * 1024, 32 * 1024)):
+    """step_memory for the speedrun preset on the card (card(): its LM head, FP8 or bf16), both modes: rows
+    (mode, "training" or "evaluation", T, step_memory's dict); training with grad_accum 1 (add the gradients',
+    0.3 GiB, when accumulating)."""
+    return [("CPLM" if cplm else "vanilla", graph, T, step_memory(cplm, T, training=graph == "training"))
+            for cplm in (0, 1) for graph, lens in (("training", train_lens), ("evaluation", val_lens)) for T in lens]
+
+
+def every_kernel_table(train_len=48 * 1024, val_len=256 * 1024):
+    """compile_every_kernel for the speedrun preset on the card, both modes: rows (mode, graph, [CompiledKernel],
+    CPU seconds, of them Triton's), graph: the training step's forward or backward (lowering and Triton), "training,
+    all" and "evaluation, all" (tracing and partitioning as well)."""
+    rows = []
+    for cplm in (0, 1):
+        mode = "CPLM" if cplm else "vanilla"
+        model = cuda_path_model(cplm, val_len)
+        window = torch.tensor(14, dtype=torch.int32)
+        kernels, seconds, compiling = compile_every_kernel(model, *packed_row(train_len, 0), window)
+        rows += [(mode, g, [k for k in kernels if k.graph == g], seconds[g], compiling.get(g, 0))
+                 for g in ("forward", "backward")]
+        rows.append((mode, "training, all", kernels, seconds["all"], sum(compiling.values())))
+        model.eval()
+        with torch.no_grad():
+            kernels, seconds, compiling = compile_every_kernel(
+                lambda a, b, w: model(a, b, w, token_stats=True), *packed_row(val_len, 1), window)
+        rows.append((mode, "evaluation, all", kernels, seconds["all"], compiling.get("inference", 0)))
+    return rows
+
+
+if __name__ == "__main__":  # records/gpu/README.md's tables: python3 tools/preflight.py [sm_90 sm_80 sm_89] [WHAT]
+    # WHAT: none, the FlexAttention kernels per card; memory: what a rank holds; every: every kernel compiled
     import sys
-    import time
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import triton
-    names = sys.argv[1:] or ["sm_90"]
+    names = [n for n in sys.argv[1:] if n not in ("memory", "every")] or ["sm_90"]
     for name in names:
         t0 = time.perf_counter()
         with card(name) as gpu:
+            if "every" in sys.argv:
+                print(f"torch {torch.__version__}, triton {triton.__version__}; {name}: every Triton kernel of the "
+                      "speedrun preset, as inductor's CUDA path compiles it\n| mode | graph | kernels (distinct) | "
+                      "largest shared memory | most registers | with a stack frame | compile CPU time, of it "
+                      "Triton's |\n"
+                      "|---|---|---|---|---|---|---|", flush=True)  # spilling: a stack frame (ptxas puts spills there)
+                for mode, graph, kernels, seconds, compiling in every_kernel_table():
+                    usage = [k.usage() for k in kernels]
+                    over = sum(k.shared > gpu.shared_memory_per_block_optin for k in kernels)
+                    stacks = [u["stack"] for u in usage]
+                    print(f"| {mode} | {graph} | {len(kernels)} ({len({k.name for k in kernels})}) | "
+                          f"{max(k.shared for k in kernels) / 1024:.1f} KiB{f' ({over} too big)' if over else ''} | "
+                          f"{max(u['registers'] for u in usage)} | "
+                          f"{sum(s > 0 for s in stacks)} (largest {max(stacks)} B)"
+                          f" | {seconds:.0f} s, {compiling:.0f} s |", flush=True)
+                continue
+            if "memory" in sys.argv:
+                print(f"torch {torch.__version__}; {name}: what one rank holds at its peak, GiB (LM head "
+                      f"{'FP8' if capability() >= 89 else 'bf16'})\n| mode | graph | row (tokens) | graphs' buffers "
+                      "| weights and optimizer states | total |\n|---|---|---|---|---|---|", flush=True)
+                for mode, graph, T, m in memory_table():
+                    print(f"| {mode} | {graph} | {T // 1024}Ki | {m['graphs'] / 2 ** 30:.1f} | "
+                          f"{m['resident'] / 2 ** 30:.1f} | {m['total'] / 2 ** 30:.1f} |", flush=True)
+                continue
             table = kernel_table()
         too_big = [row for row in table if row[4]["shared"] > gpu.shared_memory_per_block_optin]
         print(f"torch {torch.__version__}, triton {triton.__version__}; {name}, {gpu.name}, "
               f"{gpu.shared_memory_per_block_optin} B of shared memory a block ({time.perf_counter() - t0:.0f}s); "
               f"{len(too_big)} kernels would not launch", flush=True)
         print(markdown_table(table), flush=True)
-    if "sm_90" in names:
-        for cplm in (0, 1):
-            peak, largest, resident = evaluation_memory(cplm)
-            print(f"{'CPLM' if cplm else 'vanilla'}: a 256Ki-token validation row: its graph's buffers peak at "
-                  f"{peak / 2 ** 30:.1f} GiB (largest {largest / 2 ** 30:.1f} GiB); weights and optimizer states "
-                  f"{resident / 2 ** 30:.1f} GiB; together {(peak + resident) / 2 ** 30:.1f} GiB")
