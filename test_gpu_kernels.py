@@ -104,17 +104,21 @@ def test_the_float32_logits_check_can_fail():
 @pytest.mark.parametrize("cplm", [0, 1])
 def test_the_memory_reading_ends_a_backward_with_the_gradients_to_the_byte(cplm):
     """step_memory's reading of a training step (2 layers, 2048-token rows): the backward's buffers still alive
-    at its return are the parameters' gradients, byte for byte, and the forward hands the backward exactly
-    what it saved (one name per input): a missed allocation, reuse or free would show in either."""
+    at its return are the parameters' gradients, byte for byte; every tensor the backward takes, other than
+    parameters and the loss's gradient, is one the forward handed it, at least as large as the backward
+    declares it; and the FP8 head's backward holds its (T, V) e5m2 gradient inside, beyond its outputs."""
     T = 2048
     model = preflight.cuda_path_model(cplm, T, num_layers=2)
     window = torch.tensor(14, dtype=torch.int32)
     forward, backward = preflight.wrapper_graphs(model, *preflight.packed_row(T, 0), window)
     _, saved = forward.replay()
-    handed = {b: saved[f] for f, b in zip(forward.outputs[1:], backward.inputs) if f in saved}
-    assert len(handed) == len([f for f in forward.outputs[1:] if not f.startswith("primals_")])
-    _, alive = backward.replay(handed)
+    taken = [name for name in backward.inputs if not name.startswith(("primals_", "tangents_"))]
+    assert taken and all(name in saved and saved[name][1] >= backward.inputs[name] for name in taken), [
+        (name, saved.get(name), backward.inputs[name]) for name in taken]
+    _, alive = backward.replay({name: saved[name] for name in taken})
     assert sum(dict(alive.values()).values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+    V = model.lm_head.weight.shape[0]
+    assert preflight._fp8_insides(model, T)["fp8_matmul_backward"] >= T * V
 
 
 @pytest.mark.skipif(not torch.backends.cuda.is_built(),

@@ -381,42 +381,55 @@ FORWARD_WRAPPER = """
         buf1 = empty_strided_cuda((1024, ), (1, ), torch.bfloat16)
         buf2 = reinterpret_tensor(buf0, (1024, ), (1, ), 0); del buf0  # reuse
         buf3 = torch.ops.cplm.fp8_matmul.default(buf1, primals_2, 2.0)
+        buf9 = empty_strided_cuda((8, 8), (16, 1), torch.float32)
+        del buf9
         buf4 = buf3[0]
-        buf5 = buf3[1]
+        buf5 = buf3[1][0]
         del buf3
         buf6 = reinterpret_tensor(buf4, (8, 64), (64, 1), 0)  # alias
-        del buf1, buf4
+        buf10 = buf5  # alias
+        del buf1, buf4, buf5
         buf7 = buf2; del buf2  # reuse
-        return (buf6, reinterpret_tensor(buf7, (1024, ), (1, ), 0), primals_1, buf5, )
+        buf8 = torch.ops.cplm.one_output.default(buf7)
+        del buf8
+        return (buf6, reinterpret_tensor(buf7, (1024, ), (1, ), 0), primals_1, buf10, )
 """
 BACKWARD_WRAPPER = """
     def call(self, args):
-        view_1, mm_2, primals_1, tangents_1 = args
+        mm_2, view_1, primals_1, tangents_1 = args
         args.clear()
         buf0 = empty_strided_cuda((2048, ), (1, ), torch.float32)
         del view_1
-        buf1 = reinterpret_tensor(mm_2, (1024, ), (1, ), 0); del mm_2  # reuse
+        buf1 = mm_2;  # reuse
         return (buf0, buf1, )
 """
 
 
 def test_the_memory_reading_follows_reuses_aliases_and_what_a_forward_hands_its_backward():
     """preflight.step_memory's arithmetic on wrapper code written by hand: a reused buffer is not new memory, a
-    freed name whose storage an alias still holds frees nothing, a custom op's outputs are sized from the graph,
-    and what the forward returns stays live into the backward until the backward's last read of it."""
+    freed name whose storage an alias still holds frees nothing, a padded buffer is sized by its strides, a
+    custom op's outputs count from its call on (the code names them later) with what the op holds inside, and
+    what the forward returns is handed to the backward by name and stays live until its last read there."""
     from types import SimpleNamespace as NS
-    buffer = lambda n, dtype: NS(get_layout=lambda: NS(storage_size=lambda: n, dtype=dtype))  # noqa: E731
-    graph = NS(is_backward=False, is_inference=False,
-               name_to_buffer={"buf4": buffer(512, torch.bfloat16), "buf5": buffer(256, torch.float32)})
+    layout = lambda size, stride, dtype: NS(layout=NS(size=size, stride=stride, dtype=dtype))  # noqa: E731
+    fx = lambda names: NS(graph=NS(find_nodes=lambda op: [NS(args=(names,))]))  # noqa: E731
+    graph = NS(is_backward=False, is_inference=False, module=fx(["loss", "view_1", "primals_1", "mm_2"]),
+               graph_inputs={}, name_to_buffer={"buf3": NS(layout=NS(device="cuda")),
+                                                "buf4": layout([512], [1], torch.bfloat16),
+                                                "buf5": layout([256], [1], torch.float32),
+                                                "buf8": layout([16], [1], torch.float32)})
     forward = preflight._wrapper_graph(graph, FORWARD_WRAPPER)
-    assert (forward.kind, forward.inputs, forward.outputs) == ("forward", ["primals_1", "primals_2"],
-                                                              ["buf6", "buf7", "primals_1", "buf5"])
-    peak, saved = forward.replay()
-    # 4096 (buf0, renamed buf2, buf7) + 2048 (buf1) + 1024 + 1024 (the op's outputs) at once; buf4 outlives its
-    # name in buf6; primals_1 is a parameter (not counted)
-    assert peak == 8192 and saved == {"buf6": ("forward:buf4", 1024), "buf7": ("forward:buf0", 4096),
-                                "buf5": ("forward:buf5", 1024)}
-    backward = preflight._wrapper_graph(NS(is_backward=True, is_inference=False, name_to_buffer={}), BACKWARD_WRAPPER)
-    handed = {b: saved[f] for f, b in zip(["buf6", "buf7"], backward.inputs)}
+    assert (forward.kind, list(forward.inputs), forward.outputs) == (
+        "forward", ["primals_1", "primals_2"], {"loss": "buf6", "view_1": "buf7", "primals_1": "primals_1",
+                                                "mm_2": "buf10"})
+    assert sorted(forward.allocated()) == [64, 480, 1024, 1024, 2048, 4096]  # buf9: 1 + 7 x 16 + 7 floats
+    peak, saved = forward.replay(inside={"fp8_matmul": 500})
+    # 4096 (buf0, renamed buf2, buf7) + 2048 (buf1) + 1024 + 1024 (the op's outputs) + 500 inside the op; buf4
+    # and buf5 outlive their names in buf6 and buf10; primals_1 is a parameter (not counted)
+    assert peak == 8692 and saved == {"loss": ("forward:buf4", 1024), "view_1": ("forward:buf0", 4096),
+                                      "mm_2": ("forward:buf5", 1024)}
+    backward = preflight._wrapper_graph(NS(is_backward=True, is_inference=False, module=fx(["grad_a", "grad_b"]),
+                                           graph_inputs={}, name_to_buffer={}), BACKWARD_WRAPPER)
+    handed = {name: saved[name] for name in backward.inputs if name in saved}
     peak, outputs = backward.replay(handed)
-    assert peak == 5120 + 8192 and outputs == {"buf0": ("backward:buf0", 8192), "buf1": ("forward:buf0", 4096)}
+    assert peak == 5120 + 8192 and outputs == {"grad_a": ("backward:buf0", 8192), "grad_b": ("forward:buf5", 1024)}

@@ -13,10 +13,12 @@ command that makes them, exit 1); no shards at all: synthetic FineWeb-like docum
      take turns on the GPU (a file lock, CPLM_GPU_TURN, taken after the untimed warm-up), each as soon as it
      is warm, whatever the others are doing: a slow CPLM compile costs nothing of vanilla's number. The
      training jobs validate on one row of the record's 256Ki tokens, in the warm-up (which compiles the
-     evaluation graph beside the training's: tools/preflight.py's CPU estimate is 20-30 s of compile work a
+     evaluation graph beside the training's: tools/preflight.py measures 30-40 s of one core's compile work a
      mode) and once after the timed steps, so each job's log has its peak memory in validation as well as in
-     training; --train_loss_every 10; coordinate-descent tuning is off (--coordinate_descent 0): the
-     record's kernels are tuned with it, these are not;
+     training (the warm-up's row runs outside the GPU turn, as the warm-up steps do; the H200's 141 GB holds
+     both modes' peaks at once, 36 and 29 GiB by the pre-flight's reading); --train_loss_every 10;
+     coordinate-descent tuning is off (--coordinate_descent 0): the record's kernels are tuned with it, these
+     are not;
   2. meanwhile, in this process: versions, the GPU, a bf16 GEMM rate and an FP8 (_scaled_mm) smoke test;
   3. if CPLM (flex) dies before its warm-up ends and time is left, CPLM with the dense CP sums (one chunk
      per row: one compiled shape) in its place;

@@ -31,8 +31,8 @@ What only a GPU can show: autotuning, FP8 matmuls in hardware, memory, speed (re
 """
 import contextlib
 import dataclasses
+import functools
 import importlib.util
-import math
 import os
 import re
 import subprocess
@@ -182,8 +182,9 @@ def _forget_the_card():
     targets, and SM count): one card's answers must not reach the next card's kernels."""
     from torch._inductor import utils
     from torch._inductor.runtime.hints import DeviceProperties
-    for cached in (DeviceProperties.create, getattr(utils, "is_big_gpu", None),
-                   getattr(utils, "get_max_num_sms", None)):
+    from torch.utils import _triton
+    for cached in (DeviceProperties.create, getattr(utils, "is_big_gpu", None), getattr(utils, "get_max_num_sms", None),
+                   getattr(_triton, "triton_backend", None), getattr(_triton, "triton_hash_with_backend", None)):
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
 
@@ -594,19 +595,23 @@ def markdown_table(rows):
 
 @dataclasses.dataclass
 class WrapperGraph:
-    """One graph's compiled wrapper code as memory sees it: its input names, the buffers it allocates, aliases
-    and frees, in order (("alloc", name, bytes), ("alias", name, of), ("free", name)), and the names it returns."""
+    """One graph's compiled wrapper code as memory sees it: its inputs (wrapper names = the FX graph's placeholder
+    names, and their bytes as declared), what it allocates, aliases and frees, in order (("alloc", name, bytes),
+    ("alias", name, of), ("free", name, None), ("op", name, opaque op) for a custom op whose insides the wrapper
+    cannot see), and what it returns, by FX name: {FX output name: wrapper name}."""
     kind: str
-    inputs: list
+    inputs: dict
     events: list
-    outputs: list
+    outputs: dict
 
-    def replay(self, live=None):
-        """(peak bytes live at once, {name: (storage, bytes)} alive at the return): live, what is alive at the
-        start ({input name: (storage, bytes)}; inputs not in it, such as parameters, are not counted)."""
+    def replay(self, live=None, inside=None):
+        """(peak bytes live at once, {FX output name: (storage, bytes)} alive at the return). live: what is alive at
+        the start ({input name: (storage, bytes)}; inputs not in it, such as parameters, are not counted); inside:
+        {opaque op: bytes it holds while it runs beyond its outputs}."""
         ref = {name: storage for name, (storage, _) in (live or {}).items()}
         size = {storage: nbytes for storage, nbytes in (live or {}).values()}
-        peak = sum(size[s] for s in set(ref.values()))
+        total = lambda: sum(size[s] for s in set(ref.values()))  # noqa: E731
+        peak = total()
         for kind, name, arg in self.events:
             if kind == "alloc":  # storages named by graph: a backward's buf0 is not its forward's
                 ref[name] = f"{self.kind}:{name}"
@@ -615,30 +620,52 @@ class WrapperGraph:
                 ref[name] = ref[arg]
             elif kind == "free":
                 ref.pop(name, None)
-            peak = max(peak, sum(size[s] for s in set(ref.values())))
-        return peak, {name: (ref[name], size[ref[name]]) for name in self.outputs if name in ref}
+            elif kind == "op":
+                peak = max(peak, total() + (inside or {}).get(arg, 0))
+            peak = max(peak, total())
+        return peak, {fx: (ref[name], size[ref[name]]) for fx, name in self.outputs.items() if name in ref}
 
     def allocated(self):
         return [arg for kind, _, arg in self.events if kind == "alloc"]
 
 
-_ALLOC = re.compile(r"(buf\w+) = empty_strided_\w+\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)")
-_OUTPUT_OF = re.compile(r"(buf\w+) = buf\w+\[\d+\]$")  # one output of an op that allocates its own (custom op, sort)
-_REUSE = re.compile(r"(\w+) = (?:reinterpret_tensor\()?(\w+)\b.*; del \2  # reuse$")
-_ALIAS = re.compile(r"(\w+) = reinterpret_tensor\((\w+),.*# alias$")
+def _storage_bytes(sizes, strides, dtype):
+    """Bytes of the storage a (sizes, strides) tensor spans: strides decide, not the shape alone (padding)."""
+    sizes, strides = [int(s) for s in sizes], [int(s) for s in strides]
+    if any(s == 0 for s in sizes):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(sizes, strides))) * dtype.itemsize
+
+
+def _ints(text):
+    return [int(n) for n in text.replace(",", " ").split()]
+
+
+_ALLOC = re.compile(r"(buf\w+) = empty_strided_\w+\(\(([\d, ]*)\), \(([\d, ]*)\), torch\.(\w+)\)")
+_OP_CALL = re.compile(r"(buf\w+) = torch\.ops\.(\w+)\.(\w+)\.\w+\(")  # an op that allocates its own outputs
+_OUTPUT_OF = re.compile(r"(buf\w+) = (buf\w+)(?:\[\d+\])+$")  # one of a multi-output op's outputs
+_REUSE = re.compile(r"(\w+) = (?:reinterpret_tensor\(|aten\.view\.dtype\()?(\w+)\b.*; del \2  # reuse$")
+_ALIAS = re.compile(r"(\w+) = (?:reinterpret_tensor\(|aten\.view\.dtype\()?(\w+)\b.*#\s*(?:alias|reuse)$")
 
 
 def _wrapper_graph(graph, code):
     """Reads GraphLowering graph's wrapper code (text)."""
     kind = "backward" if graph.is_backward else ("inference" if graph.is_inference else "forward")
-    inputs, events, outputs = [], [], []
+    inputs, events, returned, ops = {}, [], None, {}
     for line in (line.strip() for line in code.splitlines()):
         if m := _ALLOC.match(line):
-            numel = math.prod(int(n) for n in m[2].replace(",", " ").split())
-            events.append(("alloc", m[1], numel * getattr(torch, m[3]).itemsize))
-        elif m := _OUTPUT_OF.match(line):
-            layout = graph.name_to_buffer[m[1]].get_layout()
-            events.append(("alloc", m[1], int(layout.storage_size()) * layout.dtype.itemsize))
+            events.append(("alloc", m[1], _storage_bytes(_ints(m[2]), _ints(m[3]), getattr(torch, m[4]))))
+        elif m := _OP_CALL.match(line):
+            layout = getattr(graph.name_to_buffer.get(m[1]), "layout", None)
+            if hasattr(layout, "stride"):  # one output: its own buffer
+                events.append(("alloc", m[1], _storage_bytes(layout.size, layout.stride, layout.dtype)))
+            else:  # several: each counted from the call on, though the code names it only later
+                ops[m[1]] = len(events)
+            events.append(("op", m[1], m[3]))
+        elif (m := _OUTPUT_OF.match(line)) and m[2] in ops:
+            layout = graph.name_to_buffer[m[1]].layout
+            events.insert(ops[m[2]], ("alloc", m[1], _storage_bytes(layout.size, layout.stride, layout.dtype)))
+            ops = {op: i + (i >= ops[m[2]]) for op, i in ops.items()}
         elif m := _REUSE.match(line):
             events += [("alias", m[1], m[2]), ("free", m[2], None)]
         elif m := _ALIAS.match(line):
@@ -646,12 +673,35 @@ def _wrapper_graph(graph, code):
         elif m := re.fullmatch(r"del ([\w, ]+)", line):
             events += [("free", name.strip(), None) for name in m[1].split(",") if name.strip()]
         elif m := re.fullmatch(r"([\w, ]+) = args", line):
-            inputs = [name.strip() for name in m[1].split(",") if name.strip()]
-        elif line.startswith("return (") and inputs and not outputs:  # call()'s return
-            body = re.sub(r"\([\d, ]*\)", "", line[len("return ("):-1])
-            outputs = [x.strip() for x in re.sub(r"reinterpret_tensor\((\w+)[^)]*\)", r"\1", body).split(",")]
-            outputs = [x for x in outputs if x]
-    return WrapperGraph(kind, inputs, events, outputs)
+            names = [name.strip() for name in m[1].split(",") if name.strip()]
+            inputs = {name: _input_bytes(graph.graph_inputs.get(name)) for name in names}
+        elif line.startswith("return (") and inputs and returned is None:  # call()'s return
+            body = line[len("return ("):-1]
+            returned = [re.match(r"(?:reinterpret_tensor\(|aten\.view\.dtype\()?(\w+)", item.strip())[1]
+                        for item in _top_level_items(body)]
+    fx_outputs = [str(a) for a in graph.module.graph.find_nodes(op="output")[0].args[0]] if returned is not None else []
+    assert len(fx_outputs) == len(returned or []), (len(fx_outputs), len(returned or []))
+    return WrapperGraph(kind, inputs, events, dict(zip(fx_outputs, returned or [])))
+
+
+def _top_level_items(text):
+    """The comma-separated items of a tuple's body, commas inside parentheses kept."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += c == "("
+        depth -= c == ")"
+        if c == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item for item in items if item.strip()]
+
+
+def _input_bytes(box):
+    try:
+        return _storage_bytes(box.get_size(), box.get_stride(), box.get_dtype())
+    except Exception:  # a symbolic or non-tensor input
+        return 0
 
 
 def wrapper_graphs(fn, *inputs):
@@ -673,43 +723,85 @@ def wrapper_graphs(fn, *inputs):
     return graphs
 
 
-def step_memory(cplm, T, training=True, token_stats=True, grad_accum=1, **config):
-    """What one rank holds at its peak in a training step (a micro-batch of one T-token row) or an evaluation
-    (one T-token row), read from the lowered graphs: dict of bytes. resident: weights and optimizer states;
-    graphs: the graphs' own buffers at their peak (a backward's include what its forward saved for it, freed
-    as the backward reads them for the last time); grads: gradients already there when a micro-step starts
-    (from grad_accum = 2 on). Not counted: the allocator's fragmentation, NCCL's buffers, the optimizer step's
-    temporaries (Muon's updates: at most world size x the largest matrix)."""
+def _fp8_insides(model, T):
+    """What the FP8 LM head's two ops hold while they run, beyond their outputs: their bodies are compiled apart
+    (the model's wrapper sees only the call), so each body's graph is read the same way at the head's shapes
+    (the backward: its e5m2 gradient, (T, V) bytes, in one layout and then the other)."""
     import train_gpt_cplm as tg
-    model = cuda_path_model(cplm, T, **config)
-    window = torch.tensor(14, dtype=torch.int32)
+    if not model.config.fp8_head:
+        return {}
+    V, D = model.lm_head.weight.shape
+    scales = model.lm_head.fp8_scales
+    x8, w8 = torch.zeros(T, D, dtype=torch.float8_e4m3fn), torch.zeros(V, D, dtype=torch.float8_e4m3fn)
+    bodies = {"fp8_matmul": (tg._fp8_forward, (torch.zeros(T, D, dtype=torch.bfloat16), torch.zeros(V, D),
+                                               *scales[:2])),
+              "fp8_matmul_backward": (tg._fp8_backward, (torch.zeros(T, V, dtype=torch.bfloat16), x8, w8, *scales))}
+    inside = {}
+    with torch.no_grad():
+        for op, (body, args) in bodies.items():
+            (graph,) = wrapper_graphs(body, *args)
+            peak, returned = graph.replay()
+            inside[op] = peak - sum(dict(returned.values()).values())
+    return inside
+
+
+def step_memory(cplm, T, training=True, token_stats=True, grad_accum=1, max_seq_len=None):
+    """What one rank holds at its peak in a training step (a micro-batch of one T-token row) or an evaluation
+    (one T-token row) of the speedrun preset on the card, read from the lowered graphs: dict of bytes.
+    resident: weights, optimizer states and the rotary tables (fp32, max_seq_len rows: the script's
+    max(--seq_len, --val_seq_len); default T); graphs: the graphs' own buffers at their peak (a backward starts
+    with what its forward saved for it, each freed after the backward's last read of it, and the FP8 head's ops
+    count what they hold inside); grads: gradients already there when a micro-step starts (from grad_accum = 2
+    on: the weights' bytes). Not counted: the allocator's slack, NCCL's buffers, the optimizer step's
+    temporaries (Muon's updates: at most world size x the largest matrix), what FlexAttention's kernels hold
+    beyond their outputs."""
+    import train_gpt_cplm as tg
+    model = cuda_path_model(cplm, max(max_seq_len or T, T))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    tables = sum(b.numel() * b.element_size() for b in model.buffers())
     adam, muon = tg.build_optimizers(model, tg.Hyperparameters(cplm=cplm), 0, 1)
     states = sum(p.numel() * p.element_size() * (2 if opt is adam else 1)  # Adam: two moments; Muon: momentum
                  for opt in (adam, muon) for g in opt.param_groups for p in g["params"])
+    graphs = _graphs_peak(cplm, T, training, token_stats, capability())
+    grads = weights if training and grad_accum > 1 else 0
+    resident = weights + states + tables
+    return dict(resident=resident, graphs=graphs, grads=grads, total=resident + graphs + grads)
+
+
+@functools.lru_cache(maxsize=None)
+def _graphs_peak(cplm, T, training, token_stats, capability):
+    """The peak of the graphs' own buffers (step_memory), read once per shape and card kind."""
+    model = cuda_path_model(cplm, T)
+    window = torch.tensor(14, dtype=torch.int32)
     if training:
+        inside = _fp8_insides(model, T)
         forward, backward = wrapper_graphs(model, *packed_row(T, 0), window)
         assert (forward.kind, backward.kind) == ("forward", "backward"), (forward.kind, backward.kind)
-        forward_peak, saved = forward.replay()
-        # the forward returns (loss, *saved): the backward's inputs are (*saved, the loss's gradient)
-        assert len(forward.outputs) == len(backward.inputs), (len(forward.outputs), len(backward.inputs))
-        handed = {b: saved[f] for f, b in zip(forward.outputs[1:], backward.inputs) if f in saved}
-        graphs = max(forward_peak, backward.replay(handed)[0])
-    else:
-        model.eval()
-        with torch.no_grad():
-            (inference,) = wrapper_graphs(lambda a, b, w: model(a, b, w, token_stats=token_stats), *packed_row(T, 1),
-                                          window)
-        graphs = inference.replay()[0]
-    grads = weights if training and grad_accum > 1 else 0
-    return dict(resident=weights + states, graphs=graphs, grads=grads, total=weights + states + graphs + grads)
+        forward_peak, saved = forward.replay(inside=inside)
+        # the backward's inputs are named as the forward's outputs it saved: handed over by name
+        handed = {name: saved[name] for name in backward.inputs if name in saved}
+        return max(forward_peak, backward.replay(handed, inside=inside)[0])
+    model.eval()
+    with torch.no_grad():
+        (inference,) = wrapper_graphs(lambda a, b, w: model(a, b, w, token_stats=token_stats), *packed_row(T, 1),
+                                      window)
+    return inference.replay()[0]
 
 
-def memory_table(train_lens=(48 * 1024, 24 * 1024, 12 * 1024), val_lens=(256 * 1024, 64 * 1024, 32 * 1024)):
+# README's "Which card, which flags": (card whose graphs are read, hardware, --seq_len, --val_seq_len,
+# accumulation micro-steps); an sm_89 card reads as sm_90 (the same FP8 head, the same graphs' buffers)
+SETTINGS = [("sm_90", "8xH100 80 GB", 48 * 1024, 256 * 1024, 1), ("sm_90", "1xH100 80 GB", 48 * 1024, 256 * 1024, 8),
+            ("sm_80", "8xA100 80 GB", 48 * 1024, 256 * 1024, 1), ("sm_80", "1xA100 40 GB", 24 * 1024, 64 * 1024, 16),
+            ("sm_90", "1x 24 GB card, sm_89", 16 * 1024, 64 * 1024, 24)]
+
+
+def memory_table(train_lens=(48 * 1024, 24 * 1024, 16 * 1024, 12 * 1024),
+                 val_lens=(256 * 1024, 128 * 1024, 64 * 1024, 32 * 1024), max_seq_len=256 * 1024):
     """step_memory for the speedrun preset on the card (card(): its LM head, FP8 or bf16), both modes: rows
-    (mode, "training" or "evaluation", T, step_memory's dict); training with grad_accum 1 (add the gradients',
-    0.3 GiB, when accumulating)."""
-    return [("CPLM" if cplm else "vanilla", graph, T, step_memory(cplm, T, training=graph == "training"))
+    (mode, "training" or "evaluation", T, step_memory's dict), with the record's rotary tables (256Ki rows) and
+    grad_accum 1 (accumulating adds the gradients, the weights' bytes)."""
+    return [("CPLM" if cplm else "vanilla", graph, T,
+             step_memory(cplm, T, training=graph == "training", max_seq_len=max_seq_len))
             for cplm in (0, 1) for graph, lens in (("training", train_lens), ("evaluation", val_lens)) for T in lens]
 
 
@@ -761,11 +853,20 @@ if __name__ == "__main__":  # records/gpu/README.md's tables: python3 tools/pref
                 continue
             if "memory" in sys.argv:
                 print(f"torch {torch.__version__}; {name}: what one rank holds at its peak, GiB (LM head "
-                      f"{'FP8' if capability() >= 89 else 'bf16'})\n| mode | graph | row (tokens) | graphs' buffers "
-                      "| weights and optimizer states | total |\n|---|---|---|---|---|---|", flush=True)
+                      f"{'FP8' if capability() >= 89 else 'bf16'}; rotary tables of 256Ki rows)\n| mode | graph | "
+                      "row (tokens) | graphs' buffers | weights, optimizer states, tables | total |\n"
+                      "|---|---|---|---|---|---|", flush=True)
                 for mode, graph, T, m in memory_table():
-                    print(f"| {mode} | {graph} | {T // 1024}Ki | {m['graphs'] / 2 ** 30:.1f} | "
-                          f"{m['resident'] / 2 ** 30:.1f} | {m['total'] / 2 ** 30:.1f} |", flush=True)
+                    print(f"| {mode} | {graph} | {T // 1024}Ki | {m['graphs'] / 2 ** 30:.2f} | "
+                          f"{m['resident'] / 2 ** 30:.2f} | {m['total'] / 2 ** 30:.2f} |", flush=True)
+                print("| hardware | --seq_len | --val_seq_len | micro-steps | training vanilla / CPLM | validation |\n"
+                      "|---|---|---|---|---|---|")
+                for _, label, seq_len, val_len, accum in [row for row in SETTINGS if row[0] == name]:
+                    longest = max(seq_len, val_len)
+                    train = [step_memory(c, seq_len, grad_accum=accum, max_seq_len=longest)["total"] for c in (0, 1)]
+                    val = [step_memory(c, val_len, training=False, max_seq_len=longest)["total"] for c in (0, 1)]
+                    print(f"| {label} | {seq_len} | {val_len} | {accum} | {train[0] / 2 ** 30:.1f} / "
+                          f"{train[1] / 2 ** 30:.1f} | {val[0] / 2 ** 30:.1f} / {val[1] / 2 ** 30:.1f} |", flush=True)
                 continue
             table = kernel_table()
         too_big = [row for row in table if row[4]["shared"] > gpu.shared_memory_per_block_optin]
