@@ -27,7 +27,9 @@ by an H200's, so inductor renders each FlexAttention kernel with the CUDA heuris
 gets), and `compile_cubin` compiles it to sm_90 machine code with Triton's bundled ptxas: shared memory,
 registers and spills, as the GPU would get them (test_gpu_kernels.py). `with card("sm_80")` (an A100) or
 `card("sm_89")` (an RTX 4090, L4, L40S) does the same for that card: its heuristics, its machine code.
-What only a GPU can show: autotuning, FP8 matmuls in hardware, memory, speed (records/gpu/README.md).
+With a CUDA build of torch as well, `compile_every_kernel` compiles every kernel of each graph through inductor's
+own CUDA path (fake CUDA tensors), and `step_memory` reads a rank's peak memory from the graphs' wrapper code.
+What only a GPU can show: autotuning, FP8 matmuls in hardware, memory as allocated, speed (records/gpu/README.md).
 """
 import contextlib
 import dataclasses
