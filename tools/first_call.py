@@ -28,9 +28,9 @@ command that makes them, exit 1); no shards at all: synthetic FineWeb-like docum
   5. the report, from whatever came back: per job the compile time, the step time over the second half of
      the timed steps (between two train_loss lines, each read after a host sync: steps 20-40, 1/20 ms
      resolution) and whether another job was compiling during its timed loop, the train losses (the sign
-     that training works), peak memory in training and in validation, recompiles after warm-up; the CPLM / vanilla step-time ratio
-     from two windows with no compile beside them (else no ratio, and why) and which windows it compares;
-     sum L^2 / T^2 of the timed rows; which parts failed and why.
+     that training works), peak memory in training and in validation, recompiles after warm-up; the CPLM /
+     vanilla step-time ratio from two windows with no compile beside them (else no ratio, and why) and which
+     windows it compares; sum L^2 / T^2 of the timed rows; which parts failed and why.
 $OUT only ever holds report.txt (written line by line, flushed) and logs.tar.gz (the children's logs, kept in
 a work folder under $TMPDIR and packed again, whole, each time a job ends): a kill at any moment leaves at
 most those two files, and the device tool returns at most 8. A job that fails, hangs or outlives its share of
@@ -223,6 +223,11 @@ def check_data(data):
     return None
 
 
+def row_lengths(args):
+    """(training row, validation row) in tokens: the record's 48Ki and 256Ki; 256 and 512 in a dry run."""
+    return (256, 512) if args.dry_run else (49152, 262144)
+
+
 def make_synthetic_data(args, work):
     """No shards at --data: FineWeb-like synthetic documents in the work folder (prepare_gpu_data.synthetic_tokens:
     no text, no tokenizer, no preparation), as many as the call reads; args.data then names them. Says so."""
@@ -231,7 +236,7 @@ def make_synthetic_data(args, work):
     t0, given = time.monotonic(), args.data
     args.data = os.path.join(work, "data")
     os.makedirs(args.data)
-    row, eval_row = (256, 512) if args.dry_run else (49152, 262144)
+    row, eval_row = row_lengths(args)
     rng = np.random.default_rng(0)
     for split, n in (("train", (args.steps + 8) * row), ("val", eval_row + 1)):
         write_shard(os.path.join(args.data, f"synthetic_{split}_000000.bin"), synthetic_tokens(n, rng))
@@ -245,7 +250,7 @@ def train_cmd(args, work, mode, name, extra=()):
     validation row of 256Ki tokens, the record's (512 in a dry run), in the warm-up and after the last step
     (outside the timed window); the train loss every quarter of the steps, each read after a host sync, so the
     train_time on those lines is exact."""
-    val_row = str(512 if args.dry_run else 262144)
+    val_row = str(row_lengths(args)[1])
     py = [sys.executable, "train_gpt_cplm.py", "--run_id", name, "--log_dir", os.path.join(work, "logs"),
           "--overwrite", "1", "--cplm", str(mode), "--train_files", os.path.join(args.data, "*_train_*.bin"),
           "--val_files", os.path.join(args.data, "*_val_*.bin"), "--num_iterations", str(args.steps),
@@ -402,7 +407,7 @@ def write_summary(report, args, work, jobs):
                f"record's configuration); the record's 8xH100 step, communication included: {RECORD_STEP_MS} ms")
     # a relative --data is the repository's (os.path.join keeps an absolute one as it is)
     concentration = row_concentration(os.path.join(ROOT, args.data, "*_train_*.bin"), args.steps,
-                                      256 if args.dry_run else 49152, args.bos)
+                                      row_lengths(args)[0], args.bos)
     if concentration is not None:
         report(f"timed rows: sum L^2 / T^2 = {concentration:.3f} (mean over the first {args.steps} rows)")
     if vanilla and cplm:
@@ -499,7 +504,7 @@ def main(argv=None):
             report(f"device checks: FAILED ({type(e).__name__}: {e})")
         report("")
         report("== jobs ==")
-        dense = ["--cp_backend", "dense", "--cp_chunk", "256" if args.dry_run else "49152"]
+        dense = ["--cp_backend", "dense", "--cp_chunk", str(row_lengths(args)[0])]
         fell_back = []
 
         def on_exit(job):

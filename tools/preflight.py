@@ -308,7 +308,7 @@ def lower(fn, *inputs, backward=True, sm90=False, generate=False):
     sm90: each FlexAttention op's kernel is rendered for the card (card(): sm_90 unless set; GraphResult.kernels),
     each graph stops once lowered, and nothing is computed: each graph returns empty tensors of its outputs'
     shapes, so the speedrun's shapes (48Ki-token rows) cost no more memory or time than small ones; with
-    generate, code generation still runs (allocations() reads it)."""
+    generate, code generation still runs (wrapper_graphs() reads it)."""
     import torch.nn.attention.flex_attention as flex_module
     from functorch.compile import make_boxed_func
     results = []
@@ -404,7 +404,6 @@ class CompiledKernel:
     cubin: bytes
     shared: int     # dynamic shared memory, bytes
     num_warps: int
-    config: dict    # the launch config: block sizes, num_stages
 
     def usage(self):
         """cuobjdump's resource usage of the machine code: registers, stack and local memory (spills) per thread."""
@@ -478,9 +477,7 @@ def compile_every_kernel(fn, *inputs, backward=True):
             cubin = getattr(k, "cubin_raw", None) or k.asm["cubin"]
             shared = k.shared if hasattr(k, "shared") else k.metadata.shared
             warps = k.num_warps if hasattr(k, "num_warps") else k.metadata.num_warps
-            config = getattr(result, "config", None)
-            config = {**getattr(config, "kwargs", {}), "num_stages": getattr(config, "num_stages", None)}
-            kernels.append(CompiledKernel(kind[0], self.fn.__name__, cubin, shared, warps, config))
+            kernels.append(CompiledKernel(kind[0], self.fn.__name__, cubin, shared, warps))
         self.launchers = []
     precompile = CachingAutotuner.precompile
 
