@@ -2957,6 +2957,16 @@ def test_shuffle_and_split_are_seeded_and_independent_of_reading_order():
     assert f != pc.split_flags(len(a), seed=1, val_fraction=0.1)
 
 
+
+def test_straddling_finds_val_pieces_whose_siblings_are_in_train():
+    docs = [("a", "book#0", ""), ("a", "page", ""), ("a", "book#1", ""), ("b", "book#2", ""), ("a", "book#2", ""),
+            ("b", "book#0", ""), ("a", "other#0", "")]
+    flags = [False, True, True, True, False, True, True]  # val: page, a book#1, b book#2, b book#0, other#0
+    # a's book has two pieces in train; b's book (another source) has none there, nor has other
+    assert pc.straddling(docs, flags) == [(1, "a", "book#1", 2)]
+    assert pc.straddling(docs, [False] * 7) == [] and pc.straddling(docs, [True] * 7) == []
+
+
 # ----------------------------------------------------------------------------------------------------
 # tokenizer and shards (a fake unpacked-package tree, two sources)
 
@@ -3314,7 +3324,7 @@ def test_speedrun_fixes_the_target_once_then_bisects_each_mode_on_the_grid(tmp_p
     assert asked[-3:] == [3000, 3100, n] and (steps, lo) == (None, n)
 
 
-def test_speedrun_heads_gap_is_per_token_paired_by_seed_with_a_two_level_interval(tmp_path):
+def test_speedrun_heads_gap_is_per_token_paired_by_seed_with_a_two_level_interval(tmp_path, monkeypatch):
     sr = _load_experiment("speedrun")
     rng = np.random.default_rng(0)
     targets = rng.integers(50, 500, 40)
@@ -3335,7 +3345,15 @@ def test_speedrun_heads_gap_is_per_token_paired_by_seed_with_a_two_level_interva
     (point, (lo, hi)), share = rows[0]["all"], copyable.sum() / targets.sum()
     assert point == pytest.approx(0.1 * share, abs=2e-3) and lo < point < hi and lo > 0
     assert rows[0]["copyable"][0] == pytest.approx(0.1, abs=3e-3) and rows[0]["other"][0] == pytest.approx(0, abs=1e-9)
-    assert rows[0]["verdict"] == "CPLM ahead"
+    assert rows[0]["verdict"] == "CPLM ahead" and rows[0]["all_but_straddling"] == rows[0]["all"]  # no doc 101
+    # the sensitivity reading leaves the straddling documents out, nothing else
+    monkeypatch.setattr(sr, "STRADDLING_TEST_DOCUMENTS", (3, 7))
+    keep = [i for i in range(40) if i not in (3, 7)]
+    nll = lambda mode: [[r["test"]["per_document"]["nll"][i] for i in keep] for r in records  # noqa: E731
+                        if r["step"] == 1000 and r["run_id"].startswith(mode)]
+    again = sr.heads_at_equal_schedules(str(tmp_path), 3237)[0]
+    assert again["all_but_straddling"] == sr.bootstrap_gap(nll("sentinel"), nll("cplm"), targets[keep])
+    assert again["all"] == rows[0]["all"]
     # a document-level effect: the interval widens with the spread over documents, not only over seeds
     a = np.tile(rng.normal(0, 30, 40), (5, 1))  # the same per-document differences in every seed
     point, (lo, hi) = sr.bootstrap_gap(a, np.zeros_like(a), targets, draws=2000)

@@ -505,6 +505,20 @@ def split_flags(n, seed, val_fraction):
     return [is_val(seed, i, val_fraction) for i in range(n)]
 
 
+def straddling(docs, flags):
+    """The val documents that are pieces of a long document (split_long's NAME#k) with a sibling piece in the
+    train split: [(number in the val split, source, name, sibling pieces in train)]. The split is by piece, so
+    such a piece is scored on text the model may have trained next to (records/cpu_speedrun: the test slice)."""
+    base = lambda name: name.rsplit("#", 1)[0] if "#" in name else None  # noqa: E731
+    in_train = {}
+    for (src, name, _), v in zip(docs, flags):
+        if not v and base(name) is not None:
+            in_train[(src, base(name))] = in_train.get((src, base(name)), 0) + 1
+    val = [(src, name) for (src, name, _), v in zip(docs, flags) if v]
+    return [(i, src, name, in_train[(src, base(name))]) for i, (src, name) in enumerate(val)
+            if (src, base(name)) in in_train]
+
+
 # ----------------------------------------------------------------------------------------------------
 # tokenizer
 
@@ -630,6 +644,8 @@ def build(work=DEFAULT_WORK, out_base=HERE, vocab_sizes=(8192,), sources=SOURCE_
     train_fp = h.hexdigest()
     log(f"shuffled with seed {seed}; split: {len(docs) - sum(flags):,} train / {sum(flags):,} val documents "
         f"(val_fraction {val_fraction})")
+    for i, src, name, n in straddling(docs, flags):
+        log(f"  val document {i} ({src} {name}) is a piece of a long document with {n} piece(s) in train")
 
     summary = {"sources": per_source, "documents": len(docs), "seed": seed, "val_fraction": val_fraction,
                "vocab": {}}

@@ -202,6 +202,12 @@ def step_ratios(out):
             for mode in ("cplm", "sentinel") if f"ratio_{mode}" in measured}
 
 
+# The test slice's documents (numbered in it) that are pieces of a long document whose other pieces are in the
+# train split: the corpus is split by piece (the build's log names them: val document 133, sqlite's
+# requirements.html#2, 27% of the slice's targets; the slice starts at val document 32). A seed whose data order
+# reads a sibling in its budget scores it far lower (vanilla at N: seed 1 2.54 nats, seed 0 4.01), so the gap is
+# also given without them: a sensitivity reading, found after the rule was fixed.
+STRADDLING_TEST_DOCUMENTS = (101,)
 EQUIVALENCE_MARGIN = 0.02  # nats per token: "no better than the sentinel" needs the interval inside +- this
 
 
@@ -244,6 +250,10 @@ def heads_at_equal_schedules(out, n):
         other = lambda d: np.subtract(d["nll"], d["nll_copyable"])  # noqa: E731
         row["other"] = bootstrap_gap([other(d) for d in doc["sentinel"]], [other(d) for d in doc["cplm"]],
                                      np.subtract(doc["cplm"][0]["targets"], doc["cplm"][0]["copyable"]))
+        clean = [i for i in range(row["documents"]) if i not in STRADDLING_TEST_DOCUMENTS]
+        row["all_but_straddling"] = bootstrap_gap([np.take(d["nll"], clean) for d in doc["sentinel"]],
+                                                  [np.take(d["nll"], clean) for d in doc["cplm"]],
+                                                  np.take(doc["cplm"][0]["targets"], clean))
         lo, hi = row["all"][1]
         row["verdict"] = ("CPLM ahead" if lo > 0 else "the sentinel ahead" if hi < 0 else
                           f"equivalent within {EQUIVALENCE_MARGIN}" if -EQUIVALENCE_MARGIN < lo and hi < EQUIVALENCE_MARGIN
@@ -307,10 +317,14 @@ def report(args, n):
         lines += ["", "CPLM against the pointer sentinel at equal schedules, on the test slice (`test_slice.json`): "
                   "the gap sentinel - CPLM in nats per token, mean over seeds, [95% interval: seeds and documents "
                   "resampled, 10,000 draws]:", "",
-                  "| M | seeds | documents | all targets | copyable | other | verdict |", "|---|---|---|---|---|---|---|"]
+                  "| M | seeds | documents | all targets | copyable | other | verdict | all, without the straddling "
+                  "piece |", "|---|---|---|---|---|---|---|---|"]
         gap = lambda g: f"{g[0]:+.4f} [{g[1][0]:+.4f}, {g[1][1]:+.4f}]"  # noqa: E731
         lines += [f"| {r['steps']} | {r['seeds']} | {r['documents']} | {gap(r['all'])} | {gap(r['copyable'])} | "
-                  f"{gap(r['other'])} | {r['verdict']} |" for r in result["heads"]]
+                  f"{gap(r['other'])} | {r['verdict']} | {gap(r['all_but_straddling'])} |" for r in result["heads"]]
+        lines += ["", f"The straddling piece: test-slice document {', '.join(map(str, STRADDLING_TEST_DOCUMENTS))}, "
+                  "a piece of a long document whose other pieces are in the train split (`STRADDLING_TEST_DOCUMENTS`); "
+                  "the verdict is the rule's, on all documents."]
     with open(os.path.join(ROOT, args.out, "speedrun.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(ROOT, args.out, "speedrun.json"), "w") as f:
