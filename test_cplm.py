@@ -2957,7 +2957,6 @@ def test_shuffle_and_split_are_seeded_and_independent_of_reading_order():
     assert f != pc.split_flags(len(a), seed=1, val_fraction=0.1)
 
 
-
 def test_straddling_finds_val_pieces_whose_siblings_are_in_train():
     docs = [("a", "book#0", ""), ("a", "page", ""), ("a", "book#1", ""), ("b", "book#2", ""), ("a", "book#2", ""),
             ("b", "book#0", ""), ("a", "other#0", "")]
@@ -3337,7 +3336,8 @@ def test_speedrun_heads_gap_is_per_token_paired_by_seed_with_a_two_level_interva
             per_doc = {"targets": targets.tolist(), "copyable": copyable.tolist(), "nll": nll.tolist(),
                        "nll_copyable": nll_copyable.tolist()}
             for step in (1000, 250):  # an intermediate checkpoint of a run is not its final
-                records.append({"run_id": sr.run_id(mode, 1000, s), "step": step, "test": {"per_document": per_doc}})
+                records.append({"run_id": sr.run_id(mode, 1000, s), "step": step, "slice": [65536, 262144],
+                                "test": {"per_document": per_doc}})
     records.append({"run_id": sr.run_id("cplm", 500, "0"), "step": 500, "test": {"per_document": per_doc}})
     (tmp_path / "test_slice.json").write_text(json.dumps({"records": records}))
     rows = sr.heads_at_equal_schedules(str(tmp_path), 3237)
@@ -3346,14 +3346,18 @@ def test_speedrun_heads_gap_is_per_token_paired_by_seed_with_a_two_level_interva
     assert point == pytest.approx(0.1 * share, abs=2e-3) and lo < point < hi and lo > 0
     assert rows[0]["copyable"][0] == pytest.approx(0.1, abs=3e-3) and rows[0]["other"][0] == pytest.approx(0, abs=1e-9)
     assert rows[0]["verdict"] == "CPLM ahead" and rows[0]["all_but_straddling"] == rows[0]["all"]  # no doc 101
-    # the sensitivity reading leaves the straddling documents out, nothing else
-    monkeypatch.setattr(sr, "STRADDLING_TEST_DOCUMENTS", (3, 7))
+    # the sensitivity reading leaves the straddling documents of the records' slice out, nothing else
+    monkeypatch.setattr(sr, "STRADDLING_TEST_DOCUMENTS", {(65536, 262144): (3, 7), (0, 1000): (0,)})
     keep = [i for i in range(40) if i not in (3, 7)]
     nll = lambda mode: [[r["test"]["per_document"]["nll"][i] for i in keep] for r in records  # noqa: E731
                         if r["step"] == 1000 and r["run_id"].startswith(mode)]
     again = sr.heads_at_equal_schedules(str(tmp_path), 3237)[0]
     assert again["all_but_straddling"] == sr.bootstrap_gap(nll("sentinel"), nll("cplm"), targets[keep])
     assert again["all"] == rows[0]["all"]
+    for r in records:  # a slice it knows nothing of: no sensitivity reading rather than the wrong documents
+        r["slice"] = [0, 5000]
+    (tmp_path / "test_slice.json").write_text(json.dumps({"records": records}))
+    assert sr.heads_at_equal_schedules(str(tmp_path), 3237)[0]["all_but_straddling"] is None
     # a document-level effect: the interval widens with the spread over documents, not only over seeds
     a = np.tile(rng.normal(0, 30, 40), (5, 1))  # the same per-document differences in every seed
     point, (lo, hi) = sr.bootstrap_gap(a, np.zeros_like(a), targets, draws=2000)

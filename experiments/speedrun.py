@@ -203,11 +203,12 @@ def step_ratios(out):
 
 
 # The test slice's documents (numbered in it) that are pieces of a long document whose other pieces are in the
-# train split: the corpus is split by piece (the build's log names them: val document 133, sqlite's
-# requirements.html#2, 27% of the slice's targets; the slice starts at val document 32). A seed whose data order
-# reads a sibling in its budget scores it far lower (vanilla at N: seed 1 2.54 nats, seed 0 4.01), so the gap is
-# also given without them: a sensitivity reading, found after the rule was fixed.
-STRADDLING_TEST_DOCUMENTS = (101,)
+# train split, by slice (test_start, test_tokens) of the pinned corpus: the corpus is split by piece (the build's
+# log names them: val document 133, sqlite's requirements.html#2, 27% of the slice's targets; the slice starts at
+# val document 32). The seeds whose data order holds a sibling inside their budget score it far lower (vanilla at
+# N: seed 1 2.54 nats, seed 0 4.01; at M = 2100 seeds 3 and 4 2.92-3.12, the others 3.63-3.76), so the gap is
+# also given without them: a sensitivity reading, chosen after the rule was fixed.
+STRADDLING_TEST_DOCUMENTS = {(65536, 262144): (101,)}
 EQUIVALENCE_MARGIN = 0.02  # nats per token: "no better than the sentinel" needs the interval inside +- this
 
 
@@ -250,8 +251,10 @@ def heads_at_equal_schedules(out, n):
         other = lambda d: np.subtract(d["nll"], d["nll_copyable"])  # noqa: E731
         row["other"] = bootstrap_gap([other(d) for d in doc["sentinel"]], [other(d) for d in doc["cplm"]],
                                      np.subtract(doc["cplm"][0]["targets"], doc["cplm"][0]["copyable"]))
-        clean = [i for i in range(row["documents"]) if i not in STRADDLING_TEST_DOCUMENTS]
-        row["all_but_straddling"] = bootstrap_gap([np.take(d["nll"], clean) for d in doc["sentinel"]],
+        slices = {tuple(final[(mode, steps, s)].get("slice", ())) for mode in ("cplm", "sentinel") for s in SEEDS}
+        straddling = STRADDLING_TEST_DOCUMENTS.get(slices.pop()) if len(slices) == 1 else None
+        clean = [i for i in range(row["documents"]) if i not in (straddling or ())]
+        row["all_but_straddling"] = None if straddling is None else bootstrap_gap([np.take(d["nll"], clean) for d in doc["sentinel"]],
                                                   [np.take(d["nll"], clean) for d in doc["cplm"]],
                                                   np.take(doc["cplm"][0]["targets"], clean))
         lo, hi = row["all"][1]
@@ -321,10 +324,11 @@ def report(args, n):
                   "piece |", "|---|---|---|---|---|---|---|---|"]
         gap = lambda g: f"{g[0]:+.4f} [{g[1][0]:+.4f}, {g[1][1]:+.4f}]"  # noqa: E731
         lines += [f"| {r['steps']} | {r['seeds']} | {r['documents']} | {gap(r['all'])} | {gap(r['copyable'])} | "
-                  f"{gap(r['other'])} | {r['verdict']} | {gap(r['all_but_straddling'])} |" for r in result["heads"]]
-        lines += ["", f"The straddling piece: test-slice document {', '.join(map(str, STRADDLING_TEST_DOCUMENTS))}, "
-                  "a piece of a long document whose other pieces are in the train split (`STRADDLING_TEST_DOCUMENTS`); "
-                  "the verdict is the rule's, on all documents."]
+                  f"{gap(r['other'])} | {r['verdict']} | "
+                  f"{gap(r['all_but_straddling']) if r['all_but_straddling'] else '-'} |" for r in result["heads"]]
+        lines += ["", "The straddling piece: a test-slice document that is a piece of a long document whose other "
+                  "pieces are in the train split (`STRADDLING_TEST_DOCUMENTS`; '-': a slice it does not know). A "
+                  "sensitivity reading chosen after the rule was fixed; the verdict is the rule's, on all documents."]
     with open(os.path.join(ROOT, args.out, "speedrun.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(ROOT, args.out, "speedrun.json"), "w") as f:
