@@ -39,6 +39,7 @@ documents), 2 bad command line.
 """
 
 import argparse
+import collections
 import gzip
 import hashlib
 import json
@@ -509,14 +510,11 @@ def straddling(docs, flags):
     """The val documents that are pieces of a long document (split_long's NAME#k) with a sibling piece in the
     train split: [(number in the val split, source, name, sibling pieces in train)]. The split is by piece, so
     such a piece is scored on text the model may have trained next to (records/cpu_speedrun: the test slice)."""
-    base = lambda name: name.rsplit("#", 1)[0] if "#" in name else None  # noqa: E731
-    in_train = {}
-    for (src, name, _), v in zip(docs, flags):
-        if not v and base(name) is not None:
-            in_train[(src, base(name))] = in_train.get((src, base(name)), 0) + 1
+    book = lambda src, name: (src, name.rsplit("#", 1)[0])  # noqa: E731
+    in_train = collections.Counter(book(src, name) for (src, name, _), v in zip(docs, flags) if not v and "#" in name)
     val = [(src, name) for (src, name, _), v in zip(docs, flags) if v]
-    return [(i, src, name, in_train[(src, base(name))]) for i, (src, name) in enumerate(val)
-            if (src, base(name)) in in_train]
+    return [(i, src, name, in_train[book(src, name)]) for i, (src, name) in enumerate(val)
+            if "#" in name and in_train[book(src, name)]]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -253,10 +253,10 @@ def heads_at_equal_schedules(out, n):
                                      np.subtract(doc["cplm"][0]["targets"], doc["cplm"][0]["copyable"]))
         slices = {tuple(final[(mode, steps, s)].get("slice", ())) for mode in ("cplm", "sentinel") for s in SEEDS}
         straddling = STRADDLING_TEST_DOCUMENTS.get(slices.pop()) if len(slices) == 1 else None
-        clean = [i for i in range(row["documents"]) if i not in (straddling or ())]
-        row["all_but_straddling"] = None if straddling is None else bootstrap_gap([np.take(d["nll"], clean) for d in doc["sentinel"]],
-                                                  [np.take(d["nll"], clean) for d in doc["cplm"]],
-                                                  np.take(doc["cplm"][0]["targets"], clean))
+        keep = [i for i in range(row["documents"]) if i not in (straddling or ())]
+        row["all_but_straddling"] = None if straddling is None else bootstrap_gap(
+            [np.take(d["nll"], keep) for d in doc["sentinel"]], [np.take(d["nll"], keep) for d in doc["cplm"]],
+            np.take(doc["cplm"][0]["targets"], keep))
         lo, hi = row["all"][1]
         row["verdict"] = ("CPLM ahead" if lo > 0 else "the sentinel ahead" if hi < 0 else
                           f"equivalent within {EQUIVALENCE_MARGIN}" if -EQUIVALENCE_MARGIN < lo and hi < EQUIVALENCE_MARGIN
