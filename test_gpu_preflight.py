@@ -145,14 +145,14 @@ def toy_shards(folder):
         (folder / f"toy_{split}_000000.bin").write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
 
 
-def start_first_call(tmp_path, inject, deadline, shards=True):
-    """tools/first_call.py --dry_run (CPU, tiny, 4 timed steps) with its work folder under tmp_path/tmp; without
-    shards, --data names a folder that does not exist."""
+def start_first_call(tmp_path, inject, deadline, shards=True, pairs=0):
+    """tools/first_call.py --dry_run (CPU, tiny, 4 timed steps, `pairs` pairs of re-runs) with its work folder
+    under tmp_path/tmp; without shards, --data names a folder that does not exist."""
     if shards:
         toy_shards(tmp_path / "data")
     (tmp_path / "tmp").mkdir()
     cmd = FIRST_CALL + ["--dry_run", "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--steps", "4",
-                        "--deadline_s", str(deadline), "--inject", inject]
+                        "--deadline_s", str(deadline), "--inject", inject, "--pairs", str(pairs)]
     with open(tmp_path / "stdout.txt", "w") as stdout:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT,
                                 env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
@@ -170,10 +170,10 @@ def watch_out(proc, out, until=lambda names: False, timeout=200):
     return seen
 
 
-def run_first_call(tmp_path, inject, deadline, shards=True):
+def run_first_call(tmp_path, inject, deadline, shards=True, pairs=0):
     """Runs it to the end: (its report, its wall time, every name seen in $OUT meanwhile)."""
     t0 = time.monotonic()
-    proc = start_first_call(tmp_path, inject, deadline, shards)
+    proc = start_first_call(tmp_path, inject, deadline, shards, pairs)
     seen = watch_out(proc, tmp_path / "out", timeout=deadline + 30)
     assert proc.wait(timeout=30) == 0, (tmp_path / "stdout.txt").read_text()[-3000:]
     elapsed = time.monotonic() - t0
@@ -230,9 +230,10 @@ def test_first_call_dry_run_times_cplm_again_when_it_was_timed_beside_a_compile_
     """Vanilla made to compile 10 s longer: CPLM is timed while vanilla compiles, so once every job has ended CPLM is
     timed again alone (cplm_quiet) and the ratio compares two windows with no compile beside them, never a
     contaminated one with a clean one. No shards at --data: the call makes synthetic FineWeb-like documents in its
-    work folder and says so; training on them lowers the loss. The CUDA CP check (on CPU) runs to its PASS."""
-    report, elapsed, _ = run_first_call(tmp_path, "vanilla:slow_compile", deadline=150, shards=False)
-    assert elapsed < 150
+    work folder and says so; training on them lowers the loss. The CUDA CP check (on CPU) runs to its PASS. Then
+    two pairs of re-runs (--pairs 2), CPLM then vanilla, each alone: each pair's ratio, their median and range."""
+    report, elapsed, _ = run_first_call(tmp_path, "vanilla:slow_compile", deadline=240, shards=False, pairs=2)
+    assert elapsed < 240  # about 60 s on 2 busy cores; the pairs start only while 1.5x the longest re-run is left
     assert re.search(r"^refcheck: ok; .*\| cuda cp check: PASS$", report, re.M), report  # given the time to pass
     assert f"no shards at --data {tmp_path / 'data'}: synthetic FineWeb-like documents instead" in report
     assert re.search(r"^cplm: ok; .*\(steps 2-4, timed while vanilla(, refcheck)? compiled;", report, re.M), report
@@ -245,6 +246,15 @@ def test_first_call_dry_run_times_cplm_again_when_it_was_timed_beside_a_compile_
     losses = [float(x) for x in re.search(r"^vanilla: ok; .*; train loss 1:([\d.]+), 2:[\d.]+, 3:[\d.]+, 4:([\d.]+);",
                                           report, re.M).groups()]
     assert losses[1] < losses[0] - 0.3
+    # then the pairs of re-runs, each alone, alternating: every ratio of a pair, the median and the range
+    order = re.findall(r"^  \[ *\d+s\] (\w+): ok$", report, re.M)
+    assert order[-4:] == ["cplm_rep1", "vanilla_rep1", "cplm_rep2", "vanilla_rep2"], report
+    ratios = re.search(r"^cplm/vanilla step time ratio over 2 of 2 pairs of processes, each timed alone \(cplm_repK, "
+                       r"then vanilla_repK\): median (\d\.\d{3}), range (\d\.\d{3})-(\d\.\d{3}) \((\d\.\d{3}), "
+                       r"(\d\.\d{3})\)$", report, re.M)
+    assert ratios, report
+    median, low, high, first, second = map(float, ratios.groups())
+    assert low == first <= second == high and abs(median - (first + second) / 2) <= 0.0015
 
 
 def test_first_call_killed_midway_leaves_only_the_report_and_the_tarball(tmp_path):
@@ -331,7 +341,8 @@ def test_first_call_refuses_a_file_as_out_and_a_deadline_that_is_not_a_number(tm
     (tmp_path / "a_file").write_text("x")
     for args, words in ((["--out", str(tmp_path / "a_file")], "is a file"),
                         (["--out", str(tmp_path / "out"), "--deadline_s", "nan"], "--deadline_s"),
-                        (["--out", str(tmp_path / "out"), "--deadline_s", "-5"], "--deadline_s")):
+                        (["--out", str(tmp_path / "out"), "--deadline_s", "-5"], "--deadline_s"),
+                        (["--out", str(tmp_path / "out"), "--pairs", "-1"], "--pairs")):
         r = subprocess.run(FIRST_CALL + ["--dry_run", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
     assert (tmp_path / "a_file").read_text() == "x" and not (tmp_path / "out").exists()

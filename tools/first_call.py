@@ -24,13 +24,16 @@ command that makes them, exit 1); no shards at all: synthetic FineWeb-like docum
      per row: one compiled shape) in its place;
   4. once every job has ended, a mode whose timed loop ran while another job compiled is timed once more,
      alone (vanilla_quiet, cplm_quiet or cplm_dense_quiet; its compile cache is warm by then), one at a time
-     while time is left;
+     while time is left; then up to --pairs pairs of re-runs, CPLM then vanilla, each alone (cplm_rep1,
+     vanilla_rep1, ...), while time is left: two vanilla processes can differ by more than the ratio's margin
+     from its target (1.5% on the H200, 2026-12-04), so the ratio's spread over processes is measured;
   5. the report, from whatever came back: per job the compile time, the step time over the second half of
      the timed steps (between two train_loss lines, each read after a host sync: steps 20-40, 1/20 ms
      resolution) and whether another job was compiling during its timed loop, the train losses (the sign
      that training works), peak memory in training and in validation, recompiles after warm-up; the CPLM /
      vanilla step-time ratio from two windows with no compile beside them (else no ratio, and why) and which
-     windows it compares; sum L^2 / T^2 of the timed rows; which parts failed and why.
+     windows it compares, then each pair's ratio, their median and range; sum L^2 / T^2 of the timed rows;
+     which parts failed and why.
 $OUT only ever holds report.txt (written line by line, flushed) and logs.tar.gz (the children's logs, kept in
 a work folder under $TMPDIR and packed again, whole, each time a job ends): a kill at any moment leaves at
 most those two files, and the device tool returns at most 8. A job that fails, hangs or outlives its share of
@@ -44,6 +47,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -57,7 +61,6 @@ REPORT_RESERVE_S = 25  # kept back at the end for the report and the packing (8 
 REFCHECK_TURN_S = 30  # the reference check holds the GPU (its timed part, the reference) at most this long (20 s dry)
 QUIET_MIN_S = 120  # a mode is timed again alone only with this much left: a warm-cache compile and 40 steps (15 s dry)
 TIMED = ("vanilla", "cplm", "cplm_dense")  # each may be timed again alone as <name>_quiet
-TRAINING = TIMED + tuple(f"{name}_quiet" for name in TIMED)
 MARKERS = {"warm-up done": "warm-up done", "gpu turn": "gpu turn", "final": "^final "}  # in a job's stdout
 
 
@@ -280,7 +283,7 @@ def run_jobs(jobs, deadline, report, on_exit):
             if j.rc is None and "gpu turn" in j.events:
                 if not hasattr(j, "turn_budget"):
                     waiting = [x for x in jobs if x.rc is None and "final" not in x.events
-                               and not hasattr(x, "turn_budget") and x.name in TRAINING]
+                               and not hasattr(x, "turn_budget") and x.name != "refcheck"]
                     j.turn_budget = (deadline - now) / max(len(waiting), 1)
                     if j.name == "refcheck":  # one forward and backward, then the reference: seconds
                         j.turn_budget = min(j.turn_budget, REFCHECK_TURN_S)
@@ -419,6 +422,25 @@ def write_summary(report, args, work, jobs):
         report("cplm/vanilla step time ratio: none (" + (f"a mode has no window with no compile beside it (its re-run "
                f"alone did not fit the time left, failed, or was itself timed beside a compile): {why})" if why else
                "a mode gave no step time: see above)"))
+    if args.pairs:
+        report(pairs_line(clean, args.pairs))
+
+
+def pairs_line(clean, wanted):
+    """The ratio over the pairs of re-runs (cplm_repK, then vanilla_repK, each alone): each pair's, the median
+    and the range; a pair counts where both windows are clean."""
+    ratios = []
+    for k in range(1, wanted + 1):
+        cplm = next((clean[n] for n in (f"cplm_rep{k}", f"cplm_dense_rep{k}") if n in clean), None)
+        if cplm and f"vanilla_rep{k}" in clean:
+            ratios.append(cplm[0] / clean[f"vanilla_rep{k}"][0])
+    if not ratios:
+        return f"pairs of re-runs: none of {wanted} fitted the time left and ran clean (each needs both modes warm)"
+    ratios.sort()
+    median = statistics.median(ratios)
+    return (f"cplm/vanilla step time ratio over {len(ratios)} of {wanted} pairs of processes, each timed alone "
+            f"(cplm_repK, then vanilla_repK): median {median:.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f} "
+            f"({', '.join(f'{r:.3f}' for r in ratios)})")
 
 
 def main(argv=None):
@@ -428,6 +450,8 @@ def main(argv=None):
     p.add_argument("--data", default=".gpu_data", help="shards from tools/prepare_gpu_data.py (none: synthetic)")
     p.add_argument("--deadline_s", type=float, default=570)
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode (a train loss every quarter)")
+    p.add_argument("--pairs", type=int, default=3, help="then, while time is left, pairs of re-runs (CPLM, then "
+                                                         "vanilla, each alone): the ratio's spread over processes")
     p.add_argument("--bos", type=int, default=50256)
     p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in a minute")
     p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang, JOB:slow_compile[=S] or JOB:compile_hang, "
@@ -435,6 +459,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     bad = ("--deadline_s must be a number of seconds in (0, 1e6), not " + str(args.deadline_s)
            if not 0 < args.deadline_s < 1e6 else  # nan too: nothing would ever be killed at the deadline
+           f"--pairs must be 0 or more, not {args.pairs}" if args.pairs < 0 else
            f"--out {args.out} is a file: it names the folder report.txt and logs.tar.gz go into"
            if os.path.exists(args.out) and not os.path.isdir(args.out) else None)
     if bad:
@@ -511,7 +536,7 @@ def main(argv=None):
             if not job.name.startswith("refcheck"):  # its numbers now: a call killed later keeps them
                 report(f"  {job_result(job, jobs, work)[0]}")
             report.pack()
-            return fallback(job) or quiet(job)  # a fallback just started is running: no quiet re-run beside it
+            return fallback(job) or quiet(job) or pair(job)  # a fallback just started runs: nothing beside it
 
         def fallback(job):  # CPLM (flex) died before its warm-up ended, or the reference check found flex
             # unusable (exit 3): the dense CP sums in its place, if time is left
@@ -526,8 +551,12 @@ def main(argv=None):
                             work, env)]
             return []
 
+        def rerun_fits():  # a re-run starts only with 1.5 times the longest so far left (else QUIET_MIN_S)
+            took = [j.ended - j.started for j in jobs if j.ended and (j.name.endswith("_quiet") or "_rep" in j.name)]
+            return deadline - time.monotonic() > (1.5 * max(took) if took else QUIET_MIN_S)
+
         def quiet(job):  # a mode timed beside a compile: timed again alone, once every other job has ended
-            if any(j.rc is None for j in jobs) or deadline - time.monotonic() <= QUIET_MIN_S:
+            if any(j.rc is None for j in jobs) or not rerun_fits():
                 return []
             for j in jobs:
                 beside = compiling_beside(j, jobs) if j.name in TIMED and j.rc == 0 else None
@@ -538,6 +567,19 @@ def main(argv=None):
                     name = f"{j.name}_quiet"
                     return [Job(name, maybe_injected(name, train_cmd(args, work, mode, name, extra)), work, env)]
             return []
+
+        def pair(job):  # then both modes again, alternating, one at a time: CPLM, vanilla, CPLM, ...
+            done = sum("_rep" in j.name for j in jobs)
+            ok = {j.name for j in jobs if j.rc == 0}
+            cplm = "cplm_dense" if "cplm_dense" in ok else "cplm" if "cplm" in ok else None
+            if any(j.rc is None for j in jobs) or done >= 2 * args.pairs or not (cplm and "vanilla" in ok) \
+                    or not rerun_fits():
+                return []
+            base = cplm if done % 2 == 0 else "vanilla"
+            name = f"{base}_rep{done // 2 + 1}"
+            extra = dense if base == "cplm_dense" else []
+            return [Job(name, maybe_injected(name, train_cmd(args, work, int(base != "vanilla"), name, extra)),
+                        work, env)]
 
         run_jobs(jobs, deadline, report, on_exit)
         write_summary(report, args, work, jobs)
