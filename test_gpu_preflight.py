@@ -231,8 +231,10 @@ def test_first_call_dry_run_times_cplm_again_when_it_was_timed_beside_a_compile_
     timed again alone (cplm_quiet) and the ratio compares two windows with no compile beside them, never a
     contaminated one with a clean one. No shards at --data: the call makes synthetic FineWeb-like documents in its
     work folder and says so; training on them lowers the loss. The CUDA CP check (on CPU) runs to its PASS. Then
-    two pairs of re-runs (--pairs 2), CPLM then vanilla, each alone: each pair's ratio, their median and range."""
-    report, elapsed, _ = run_first_call(tmp_path, "vanilla:slow_compile", deadline=240, shards=False, pairs=2)
+    pairs of re-runs (--pairs 3), each alone, in ABBA order, until one fails (the third's CPLM, made to): the two
+    whole pairs' ratios in run order, their median and range."""
+    report, elapsed, _ = run_first_call(tmp_path, "vanilla:slow_compile,cplm_rep3:fail", deadline=240, shards=False,
+                                        pairs=3)
     assert elapsed < 240  # about 60 s on 2 busy cores; the pairs start only while 1.5x the longest re-run is left
     assert re.search(r"^refcheck: ok; .*\| cuda cp check: PASS$", report, re.M), report  # given the time to pass
     assert f"no shards at --data {tmp_path / 'data'}: synthetic FineWeb-like documents instead" in report
@@ -246,15 +248,17 @@ def test_first_call_dry_run_times_cplm_again_when_it_was_timed_beside_a_compile_
     losses = [float(x) for x in re.search(r"^vanilla: ok; .*; train loss 1:([\d.]+), 2:[\d.]+, 3:[\d.]+, 4:([\d.]+);",
                                           report, re.M).groups()]
     assert losses[1] < losses[0] - 0.3
-    # then the pairs of re-runs, each alone, alternating: every ratio of a pair, the median and the range
-    order = re.findall(r"^  \[ *\d+s\] (\w+): ok$", report, re.M)
-    assert order[-4:] == ["cplm_rep1", "vanilla_rep1", "cplm_rep2", "vanilla_rep2"], report
-    ratios = re.search(r"^cplm/vanilla step time ratio over 2 of 2 pairs of processes, each timed alone \(cplm_repK, "
-                       r"then vanilla_repK\): median (\d\.\d{3}), range (\d\.\d{3})-(\d\.\d{3}) \((\d\.\d{3}), "
-                       r"(\d\.\d{3})\)$", report, re.M)
+    # then the pairs of re-runs, each alone, ABBA, stopped by the first failure: each pair's ratio, median, range
+    ended = re.findall(r"^  \[ *\d+s\] (\w+): (ok|exit 7)", report, re.M)
+    assert ended[-5:] == [("cplm_rep1", "ok"), ("vanilla_rep1", "ok"), ("vanilla_rep2", "ok"), ("cplm_rep2", "ok"),
+                          ("cplm_rep3", "exit 7")], report
+    assert "vanilla_rep3" not in report
+    ratios = re.search(r"^cplm/vanilla step time ratio over 2 of 3 pairs of processes, each timed alone in ABBA order: "
+                       r"median (\d\.\d{3}), range (\d\.\d{3})-(\d\.\d{3}) \(pair: ratio, in run order: 1: "
+                       r"(\d\.\d{3}), 2: (\d\.\d{3})\)$", report, re.M)
     assert ratios, report
     median, low, high, first, second = map(float, ratios.groups())
-    assert low == first <= second == high and abs(median - (first + second) / 2) <= 0.0015
+    assert (low, high) == (min(first, second), max(first, second)) and abs(median - (first + second) / 2) <= 0.0015
 
 
 def test_first_call_killed_midway_leaves_only_the_report_and_the_tarball(tmp_path):

@@ -24,9 +24,11 @@ command that makes them, exit 1); no shards at all: synthetic FineWeb-like docum
      per row: one compiled shape) in its place;
   4. once every job has ended, a mode whose timed loop ran while another job compiled is timed once more,
      alone (vanilla_quiet, cplm_quiet or cplm_dense_quiet; its compile cache is warm by then), one at a time
-     while time is left; then up to --pairs pairs of re-runs, CPLM then vanilla, each alone (cplm_rep1,
-     vanilla_rep1, ...), while time is left: two vanilla processes can differ by more than the ratio's margin
-     from its target (1.5% on the H200, 2026-12-04), so the ratio's spread over processes is measured;
+     while time is left; then up to --pairs pairs of re-runs, each alone, in ABBA order (cplm_rep1,
+     vanilla_rep1, vanilla_rep2, cplm_rep2, ...), while time is left, until one fails: two vanilla processes can
+     differ by more than the ratio's margin from its target (1.5% on the H200, 2026-12-04), so the ratio's
+     spread over processes is measured. A re-run of a mode starts only with 1.5 times that mode's longest good
+     re-run left (QUIET_MIN_S before it has one);
   5. the report, from whatever came back: per job the compile time, the step time over the second half of
      the timed steps (between two train_loss lines, each read after a host sync: steps 20-40, 1/20 ms
      resolution) and whether another job was compiling during its timed loop, the train losses (the sign
@@ -59,7 +61,7 @@ ROOT = os.path.dirname(HERE)
 RECORD_STEP_MS = 99.9  # the 2025-01-26 record: 2.93 min over its 1760 timed steps on 8xH100, communication included
 REPORT_RESERVE_S = 25  # kept back at the end for the report and the packing (8 s in a dry run)
 REFCHECK_TURN_S = 30  # the reference check holds the GPU (its timed part, the reference) at most this long (20 s dry)
-QUIET_MIN_S = 120  # a mode is timed again alone only with this much left: a warm-cache compile and 40 steps (15 s dry)
+QUIET_MIN_S = 120  # a mode's first re-run alone needs this much left: a warm-cache compile and 40 steps (15 s dry)
 TIMED = ("vanilla", "cplm", "cplm_dense")  # each may be timed again alone as <name>_quiet
 MARKERS = {"warm-up done": "warm-up done", "gpu turn": "gpu turn", "final": "^final "}  # in a job's stdout
 
@@ -427,20 +429,20 @@ def write_summary(report, args, work, jobs):
 
 
 def pairs_line(clean, wanted):
-    """The ratio over the pairs of re-runs (cplm_repK, then vanilla_repK, each alone): each pair's, the median
-    and the range; a pair counts where both windows are clean."""
-    ratios = []
+    """The ratio over the pairs of re-runs (cplm_repK and vanilla_repK, each alone, in ABBA order): each pair's in
+    run order, the median and the range; a pair counts where both its runs gave a step time."""
+    ratios = {}
     for k in range(1, wanted + 1):
         cplm = next((clean[n] for n in (f"cplm_rep{k}", f"cplm_dense_rep{k}") if n in clean), None)
         if cplm and f"vanilla_rep{k}" in clean:
-            ratios.append(cplm[0] / clean[f"vanilla_rep{k}"][0])
+            ratios[k] = cplm[0] / clean[f"vanilla_rep{k}"][0]
     if not ratios:
-        return f"pairs of re-runs: none of {wanted} fitted the time left and ran clean (each needs both modes warm)"
-    ratios.sort()
-    median = statistics.median(ratios)
-    return (f"cplm/vanilla step time ratio over {len(ratios)} of {wanted} pairs of processes, each timed alone "
-            f"(cplm_repK, then vanilla_repK): median {median:.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f} "
-            f"({', '.join(f'{r:.3f}' for r in ratios)})")
+        return (f"pairs of re-runs: none of {wanted} gave both step times (not started for want of time, or a run "
+                "failed: see the jobs above)")
+    r = sorted(ratios.values())
+    return (f"cplm/vanilla step time ratio over {len(r)} of {wanted} pairs of processes, each timed alone in ABBA "
+            f"order: median {statistics.median(r):.3f}, range {r[0]:.3f}-{r[-1]:.3f} (pair: ratio, in run order: "
+            f"{', '.join(f'{k}: {v:.3f}' for k, v in ratios.items())})")
 
 
 def main(argv=None):
@@ -551,16 +553,17 @@ def main(argv=None):
                             work, env)]
             return []
 
-        def rerun_fits():  # a re-run starts only with 1.5 times the longest so far left (else QUIET_MIN_S)
-            took = [j.ended - j.started for j in jobs if j.ended and (j.name.endswith("_quiet") or "_rep" in j.name)]
+        def rerun_fits(mode):  # a re-run of mode starts only with 1.5 times its longest good re-run left (whole
+            # process: start, warm-cache compile, warm-up, steps, validation), or QUIET_MIN_S before it has one
+            took = [j.ended - j.started for j in jobs if j.rc == 0 and re.fullmatch(rf"{mode}_(quiet|rep\d+)", j.name)]
             return deadline - time.monotonic() > (1.5 * max(took) if took else QUIET_MIN_S)
 
         def quiet(job):  # a mode timed beside a compile: timed again alone, once every other job has ended
-            if any(j.rc is None for j in jobs) or not rerun_fits():
+            if any(j.rc is None for j in jobs):
                 return []
             for j in jobs:
                 beside = compiling_beside(j, jobs) if j.name in TIMED and j.rc == 0 else None
-                if beside and all(x.name != f"{j.name}_quiet" for x in jobs):
+                if beside and all(x.name != f"{j.name}_quiet" for x in jobs) and rerun_fits(j.name):
                     report(f"  {j.name} was timed while {', '.join(beside)} compiled: {j.name} once more, alone "
                            f"({j.name}_quiet; its compile cache is warm)")
                     mode, extra = (0, []) if j.name == "vanilla" else (1, dense if j.name == "cplm_dense" else [])
@@ -568,15 +571,17 @@ def main(argv=None):
                     return [Job(name, maybe_injected(name, train_cmd(args, work, mode, name, extra)), work, env)]
             return []
 
-        def pair(job):  # then both modes again, alternating, one at a time: CPLM, vanilla, CPLM, ...
-            done = sum("_rep" in j.name for j in jobs)
+        def pair(job):  # then both modes again, one at a time, in ABBA order (CPLM, vanilla, vanilla, CPLM, ...)
+            # so that a drift of the card's speed over the pairs does not favour one mode; the first failure stops them
+            reps = [j for j in jobs if "_rep" in j.name]
             ok = {j.name for j in jobs if j.rc == 0}
             cplm = "cplm_dense" if "cplm_dense" in ok else "cplm" if "cplm" in ok else None
-            if any(j.rc is None for j in jobs) or done >= 2 * args.pairs or not (cplm and "vanilla" in ok) \
-                    or not rerun_fits():
+            k, second = len(reps) // 2 + 1, len(reps) % 2
+            base = (cplm, "vanilla")[second ^ (k % 2 == 0)]
+            if any(j.rc is None for j in jobs) or len(reps) >= 2 * args.pairs or not (cplm and "vanilla" in ok) \
+                    or any(j.rc != 0 for j in reps) or not rerun_fits(base):
                 return []
-            base = cplm if done % 2 == 0 else "vanilla"
-            name = f"{base}_rep{done // 2 + 1}"
+            name = f"{base}_rep{k}"
             extra = dense if base == "cplm_dense" else []
             return [Job(name, maybe_injected(name, train_cmd(args, work, int(base != "vanilla"), name, extra)),
                         work, env)]
