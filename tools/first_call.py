@@ -452,8 +452,8 @@ def main(argv=None):
     p.add_argument("--data", default=".gpu_data", help="shards from tools/prepare_gpu_data.py (none: synthetic)")
     p.add_argument("--deadline_s", type=float, default=570)
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode (a train loss every quarter)")
-    p.add_argument("--pairs", type=int, default=3, help="then, while time is left, pairs of re-runs (CPLM, then "
-                                                         "vanilla, each alone): the ratio's spread over processes")
+    p.add_argument("--pairs", type=int, default=3, help="then, while time is left, pairs of re-runs (each alone, "
+                                                         "ABBA order): the ratio's spread over processes")
     p.add_argument("--bos", type=int, default=50256)
     p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in a minute")
     p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang, JOB:slow_compile[=S] or JOB:compile_hang, "
@@ -515,12 +515,17 @@ def main(argv=None):
         report(f"stopped by signal {signum}")  # kills the jobs (sessions of their own) and packs the logs
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, stopped)
+    dense = ["--cp_backend", "dense", "--cp_chunk", str(row_lengths(args)[0])]
+
+    def training_job(base, name):  # base's training run (vanilla, cplm or cplm_dense), under its own name
+        mode, extra = (0, []) if base == "vanilla" else (1, dense if base == "cplm_dense" else [])
+        return [Job(name, maybe_injected(name, train_cmd(args, work, mode, name, extra)), work, env)]
+
     try:
         if synthetic:
             report(make_synthetic_data(args, work))
-        jobs += [Job(name, maybe_injected(name, cmd), work, env) for name, cmd in (
-            ("vanilla", train_cmd(args, work, 0, "vanilla")), ("cplm", train_cmd(args, work, 1, "cplm")),
-            ("refcheck", refcheck))]
+        jobs += training_job("vanilla", "vanilla") + training_job("cplm", "cplm") + [
+            Job("refcheck", maybe_injected("refcheck", refcheck), work, env)]
         report("jobs started, compiling side by side: vanilla, cplm (flex), refcheck; each timed loop takes its "
                "turn on the GPU as soon as its job is warm")
         report("")
@@ -531,7 +536,6 @@ def main(argv=None):
             report(f"device checks: FAILED ({type(e).__name__}: {e})")
         report("")
         report("== jobs ==")
-        dense = ["--cp_backend", "dense", "--cp_chunk", str(row_lengths(args)[0])]
         fell_back = []
 
         def on_exit(job):
@@ -549,8 +553,7 @@ def main(argv=None):
                 cplm.kill("flex failed")
                 fell_back.append(True)
                 report("  CPLM (flex) failed before its warm-up ended: CPLM with the dense CP sums instead")
-                return [Job("cplm_dense", maybe_injected("cplm_dense", train_cmd(args, work, 1, "cplm_dense", dense)),
-                            work, env)]
+                return training_job("cplm_dense", "cplm_dense")
             return []
 
         def rerun_fits(mode):  # a re-run of mode starts only with 1.5 times its longest good re-run left (whole
@@ -566,9 +569,7 @@ def main(argv=None):
                 if beside and all(x.name != f"{j.name}_quiet" for x in jobs) and rerun_fits(j.name):
                     report(f"  {j.name} was timed while {', '.join(beside)} compiled: {j.name} once more, alone "
                            f"({j.name}_quiet; its compile cache is warm)")
-                    mode, extra = (0, []) if j.name == "vanilla" else (1, dense if j.name == "cplm_dense" else [])
-                    name = f"{j.name}_quiet"
-                    return [Job(name, maybe_injected(name, train_cmd(args, work, mode, name, extra)), work, env)]
+                    return training_job(j.name, f"{j.name}_quiet")
             return []
 
         def pair(job):  # then both modes again, one at a time, in ABBA order (CPLM, vanilla, vanilla, CPLM, ...)
@@ -581,10 +582,7 @@ def main(argv=None):
             if any(j.rc is None for j in jobs) or len(reps) >= 2 * args.pairs or not (cplm and "vanilla" in ok) \
                     or any(j.rc != 0 for j in reps) or not rerun_fits(base):
                 return []
-            name = f"{base}_rep{k}"
-            extra = dense if base == "cplm_dense" else []
-            return [Job(name, maybe_injected(name, train_cmd(args, work, int(base != "vanilla"), name, extra)),
-                        work, env)]
+            return training_job(base, f"{base}_rep{k}")
 
         run_jobs(jobs, deadline, report, on_exit)
         write_summary(report, args, work, jobs)
