@@ -76,17 +76,31 @@ def matched_steps():
     return round(per_param * cpu_params / cpu.batch_size), per_param, cpu_params, record_params
 
 
-def run_id(mode, steps, seed):
-    return f"{mode}_lr{SCALES[mode]}_n{steps}_s{seed}"
+# Rules 8-10 (records/cpu_speedrun/README.md, written before their runs): each mode's rate checked at the budget
+# it runs, two seeds of vanilla at N on each side of its scale, one seed of each copy head at its M
+VANILLA_SWEEP = (("0.25", ("0", "1")), ("1", ("0", "1")))
+COPY_RATE_CHECK = {"cplm": 1300, "sentinel": 1300}
+COPY_RATE_SCALES = ("0.5", "2")
+SCALE_MARGIN = 0.030  # a scale replaces vanilla's when its two-seed mean is lower by more than this (rule 9)
+
+
+def run_id(mode, steps, seed, scale=None):
+    return f"{mode}_lr{scale or SCALES[mode]}_n{steps}_s{seed}"
+
+
+def tuning_runs(n):
+    """(mode, steps, seed, scale) of rules 9 and 10: vanilla's sweep at N, then each copy head's rate at its M."""
+    runs = [("vanilla", n, seed, scale) for scale, seeds in VANILLA_SWEEP for seed in seeds]
+    return runs + [(mode, m, "0", scale) for mode, m in COPY_RATE_CHECK.items() for scale in COPY_RATE_SCALES]
 
 
 def log_of(out, rid):
     return os.path.join(ROOT, out, "logs", rid + ".txt")
 
 
-def finals(out, mode, steps):
+def finals(out, mode, steps, scale=None, seeds=SEEDS):
     """{seed: final val loss} of the finished runs of mode at this many steps."""
-    losses = {s: race.final_val_loss(log_of(out, run_id(mode, steps, s))) for s in SEEDS}
+    losses = {s: race.final_val_loss(log_of(out, run_id(mode, steps, s, scale))) for s in seeds}
     return {s: x for s, x in losses.items() if x is not None}
 
 
@@ -115,10 +129,16 @@ def fix_target(out, n):
 
 
 def probe_result(losses, target):
-    test = compare.one_sided_ttest_below(list(losses.values()), target)
+    """Rule 8: M passes when its finals are below vanilla's at N by Welch's one-sided test, p < 0.01 (the target
+    is an estimate); the one-sample test against the target's mean (rule 3) and the test paired by seed beside."""
+    vanilla = target["finals"]
+    welch = compare.welch_ttest_below(list(losses.values()), list(vanilla.values()))
+    one_sample = compare.one_sided_ttest_below(list(losses.values()), target["target"])
+    paired = compare.paired_ttest_below([(losses[s], vanilla[s]) for s in losses if s in vanilla])
     mean, sd = compare.mean_std(list(losses.values()))
-    p = test["p"]  # None when the five losses are equal: no evidence either way, no pass
-    return {"mean": mean, "sd": sd, "p": p, "passed": p is not None and mean < target and p < P_RECORD}
+    p = welch["p"]  # None when there is no spread at all: no evidence either way, no pass
+    return {"mean": mean, "sd": sd, "p": p, "test": "welch", "p_one_sample": one_sample and one_sample["p"],
+            "p_paired": paired and paired["p"], "passed": p is not None and mean < target["target"] and p < P_RECORD}
 
 
 def search(out, mode, n, target):
@@ -130,7 +150,7 @@ def search(out, mode, n, target):
         losses = finals(out, mode, m)
         if len(losses) < len(SEEDS) or target is None:
             return probes, m, None, lo
-        probes[m] = {**probe_result(losses, target["target"]), "finals": losses}
+        probes[m] = {**probe_result(losses, target), "finals": losses}
         if probes[m]["passed"]:
             hi = m
         else:
@@ -146,21 +166,24 @@ def search(out, mode, n, target):
 
 
 def wanted(out, n):
-    """The runs the rule asks for now, in order: vanilla's at N, then each mode's probe, seeds interleaved."""
+    """The runs the rule asks for now, in order (mode, steps, seed, scale or None for the mode's own): vanilla's at
+    N, vanilla's sweep at N (rule 9), each copy mode's next probe (seeds interleaved), the copy rate checks."""
     target = fix_target(out, n)
-    runs = [("vanilla", n, s) for s in SEEDS if s not in finals(out, "vanilla", n)]
+    runs = [("vanilla", n, s, None) for s in SEEDS if s not in finals(out, "vanilla", n)]
+    tuning = [r for r in tuning_runs(n) if r[2] not in finals(out, r[0], r[1], r[3], seeds=(r[2],))]
+    runs += [r for r in tuning if r[0] == "vanilla"]
     probes = {mode: search(out, mode, n, target)[1] for mode in ("cplm", "sentinel")}
     done = {mode: finals(out, mode, m) for mode, m in probes.items() if m is not None}
-    runs += [(mode, probes[mode], s) for s in SEEDS for mode in probes
+    runs += [(mode, probes[mode], s, None) for s in SEEDS for mode in probes
              if probes[mode] is not None and s not in done[mode]]
-    return runs
+    return runs + [r for r in tuning if r[0] != "vanilla"]
 
 
-def command(out, mode, steps, seed):
-    rid = run_id(mode, steps, seed)
+def command(out, mode, steps, seed, scale=None):
+    rid = run_id(mode, steps, seed, scale)
     log_dir = os.path.join(out, "logs")
     return [sys.executable, "train_gpt_cplm.py", "--preset", "cpu", *MODE_FLAGS[mode],
-            *race.scaled_lrs(SCALES[mode]), *BUDGET, "--num_iterations", str(steps), "--seed", seed,
+            *race.scaled_lrs(scale or SCALES[mode]), *BUDGET, "--num_iterations", str(steps), "--seed", seed,
             "--data_seed", seed, "--run_id", rid, "--log_dir", log_dir, *race.continuation(log_dir, rid)]
 
 
@@ -177,10 +200,10 @@ def run(args, n):
         todo = [r for r in wanted(args.out, n) if run_id(*r) not in running and run_id(*r) not in failed
                 and r[1] <= (args.max_steps or n)]
         while todo and len(running) < args.jobs:
-            mode, steps, seed = todo.pop(0)
-            print(f"[{time.time() - t0:6.0f}s] start {run_id(mode, steps, seed)}", flush=True)
-            running[run_id(mode, steps, seed)] = subprocess.Popen(command(args.out, mode, steps, seed), cwd=ROOT,
-                                                                  env=env, stdout=subprocess.DEVNULL)
+            rid = run_id(*todo[0])
+            print(f"[{time.time() - t0:6.0f}s] start {rid}", flush=True)
+            running[rid] = subprocess.Popen(command(args.out, *todo.pop(0)), cwd=ROOT, env=env,
+                                            stdout=subprocess.DEVNULL)
         if not running:
             break
         time.sleep(5)
