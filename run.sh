@@ -43,7 +43,7 @@ fi
 
 if [ "${1:-}" = test ]; then  # -rs: each skipped test says why, and what enables it
     shift
-    exec "$PYTHON" -m pytest -q -rs test_cplm.py test_inference.py test_mechanism.py test_baselines.py test_gpu_preflight.py \
+    exec "$PYTHON" -m pytest -q -rs test_cplm.py test_compare.py test_inference.py test_mechanism.py test_baselines.py test_gpu_preflight.py \
         test_gpu_kernels.py test_gpu_interpreter.py "$@"
 fi
 
@@ -81,5 +81,5 @@ for mode in vanilla cplm; do  # said once written: --num_iterations 0 trains not
     fi
 done
 echo
-exec "$PYTHON" tools/compare.py "logs/${race}_vanilla.txt" "logs/${race}_cplm.txt" --target_from cplm=0 \
+exec "$PYTHON" tools/compare.py "logs/${race}_vanilla.txt" "logs/${race}_cplm.txt" --target_from vanilla \
     --plot "logs/${race}.png"

@@ -98,9 +98,32 @@ def log_of(out, rid):
     return os.path.join(ROOT, out, "logs", rid + ".txt")
 
 
+JUDGE_MODES = {"vanilla": "vanilla", "cplm": "CPLM", "sentinel": "sentinel"}  # this study's names -> the judge's
+
+
+def final_of(path, mode, steps, seed):
+    """The final val loss of a finished run's log, read as the judge reads it (tools/compare.py: a killed run, a
+    log cut mid-line or whose final line disagrees with its last validation is unfinished), or None. A log whose
+    settings are not what its name says (another mode, length or seed) stops the study in one line."""
+    if not os.path.exists(path):
+        return None
+    try:
+        log = compare.parse_log(path)
+    except compare.LogError:
+        return None  # no validation yet: a run that has just started
+    hp = log["hyperparameters"]
+    said = (JUDGE_MODES[mode], steps, int(seed), int(seed))
+    found = (compare.mode_of(hp), hp.get("num_iterations"), hp.get("seed"), hp.get("data_seed"))
+    if found != said:
+        raise SystemExit(f"speedrun.py: error: {path} holds a run of {found} (mode, steps, seed, data_seed), "
+                         f"not the {said} its name says: move it out of the study's folder")
+    compare.mark_excluded([log])
+    return log["val"][-1]["loss"] if log["excluded"] is None else None
+
+
 def finals(out, mode, steps, scale=None, seeds=SEEDS):
     """{seed: final val loss} of the finished runs of mode at this many steps."""
-    losses = {s: race.final_val_loss(log_of(out, run_id(mode, steps, s, scale))) for s in seeds}
+    losses = {s: final_of(log_of(out, run_id(mode, steps, s, scale)), mode, steps, s) for s in seeds}
     return {s: x for s, x in losses.items() if x is not None}
 
 
@@ -117,6 +140,12 @@ def fix_target(out, n):
     losses = finals(out, "vanilla", n)
     if len(losses) < len(SEEDS):
         return None
+    # only the first probe may run before the target is fixed: a later one means the target was fixed and lost
+    others = [f for f in sorted(os.listdir(os.path.join(ROOT, out, "logs")))
+              if f.endswith(".txt") and not f.startswith("vanilla") and f"_n{FIRST_PROBE}_" not in f]
+    if others:
+        raise SystemExit(f"speedrun.py: error: {out}/target.json is missing but other modes' logs exist "
+                         f"({others[0]}, ...): restore target.json (git checkout) rather than fix it after them")
     mean, sd = compare.mean_std(list(losses.values()))
     fixed = {"target": mean, "sd": sd, "steps": n, "finals": losses,
              "fixed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -129,16 +158,12 @@ def fix_target(out, n):
 
 
 def probe_result(losses, target):
-    """Rule 8: M passes when its finals are below vanilla's at N by Welch's one-sided test, p < 0.01 (the target
-    is an estimate); the one-sample test against the target's mean (rule 3) and the test paired by seed beside."""
-    vanilla = target["finals"]
-    welch = compare.welch_ttest_below(list(losses.values()), list(vanilla.values()))
-    one_sample = compare.one_sided_ttest_below(list(losses.values()), target["target"])
-    paired = compare.paired_ttest_below([(losses[s], vanilla[s]) for s in losses if s in vanilla])
-    mean, sd = compare.mean_std(list(losses.values()))
-    p = welch["p"]  # None when there is no spread at all: no evidence either way, no pass
-    return {"mean": mean, "sd": sd, "p": p, "test": "welch", "p_one_sample": one_sample and one_sample["p"],
-            "p_paired": paired and paired["p"], "passed": p is not None and mean < target["target"] and p < P_RECORD}
+    """Rule 8, as the judge decides it (tools/compare.py decide()): Welch's test against vanilla's five finals at
+    N decides; the one-sample test against their mean (rule 3) and the test paired by seed beside."""
+    d = compare.decide(losses, target["target"], reference=target["finals"])
+    return {"mean": d["mean"], "sd": d["sd"], "p": d["p"], "test": d["test"],
+            "p_one_sample": d["one_sample"] and d["one_sample"]["p"], "p_paired": d["paired"] and d["paired"]["p"],
+            "passed": d["passed"]}
 
 
 def search(out, mode, n, target):
@@ -214,17 +239,6 @@ def run(args, n):
     return report(args, n)
 
 
-def step_ratios(out):
-    """{mode: step time over vanilla's} from OUT/step_time.txt (cp_cost.py step_time's JSON line), or {}."""
-    path = os.path.join(ROOT, out, "step_time.txt")
-    if not os.path.exists(path):
-        return {}
-    line = next(x for x in open(path).read().splitlines() if x.startswith("{"))
-    measured = json.loads(line)
-    return {mode: (measured[f"ratio_{mode}"], *measured[f"pair_ratio_quartiles_{mode}"])
-            for mode in ("cplm", "sentinel") if f"ratio_{mode}" in measured}
-
-
 # The test slice's documents (numbered in it) that are pieces of a long document whose other pieces are in the
 # train split, by slice (test_start, test_tokens) of the pinned corpus: the corpus is split by piece (the build's
 # log names them: val document 133, sqlite's requirements.html#2, 27% of the slice's targets; the slice starts at
@@ -257,25 +271,36 @@ def heads_at_equal_schedules(out, n):
     path = os.path.join(ROOT, out, "test_slice.json")
     if not os.path.exists(path):
         return []
-    final = {}  # (mode, M, seed) -> the record of the run's final checkpoint
-    for r in json.load(open(path))["records"]:
-        m = re.fullmatch(r"(cplm|sentinel|vanilla)_lr[\d.]+_n(\d+)_s(\d+)", r["run_id"])
-        if m and r["step"] == int(m[2]) and "per_document" in r["test"]:
-            final[(m[1], int(m[2]), m[3])] = r
+    try:
+        records = json.load(open(path))["records"]
+        assert isinstance(records, list)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise SystemExit(f"speedrun.py: error: {path} is not test_slice.py's JSON (no list of records)") from None
+    # (mode, M, seed, slice) -> the record of the run's final checkpoint, at the scale the rule runs each mode;
+    # a slice is (start, tokens): records of two slices of one checkpoint are never mixed
+    final = {}
+    for r in records:
+        m = re.fullmatch(r"(cplm|sentinel|vanilla)_lr([\d.]+)_n(\d+)_s(\d+)", str(r.get("run_id")))
+        if m and m[2] == SCALES[m[1]] and r.get("step") == int(m[3]) and "per_document" in r.get("test", {}):
+            final[(m[1], int(m[3]), m[4], tuple(r.get("slice", ())))] = r
     rows = []
     for steps in sorted({k[1] for k in final if k[0] == "cplm"}):
-        if not all((mode, steps, s) in final for mode in ("cplm", "sentinel") for s in SEEDS):
+        common = [sl for sl in sorted({k[3] for k in final if k[1] == steps})
+                  if all((mode, steps, s, sl) in final for mode in ("cplm", "sentinel") for s in SEEDS)]
+        if not common:
             continue
-        doc = {mode: [final[(mode, steps, s)]["test"]["per_document"] for s in SEEDS] for mode in ("cplm", "sentinel")}
-        row = {"steps": steps, "seeds": len(SEEDS), "documents": len(doc["cplm"][0]["nll"])}
+        final_at = {(mode, m, s): r for (mode, m, s, sl), r in final.items() if sl == common[0]}
+        doc = {mode: [final_at[(mode, steps, s)]["test"]["per_document"] for s in SEEDS]
+               for mode in ("cplm", "sentinel")}
+        row = {"steps": steps, "seeds": len(SEEDS), "documents": len(doc["cplm"][0]["nll"]), "slice": list(common[0]),
+               "other_slices": [list(sl) for sl in common[1:]]}
         for part, (key, count) in {"all": ("nll", "targets"), "copyable": ("nll_copyable", "copyable")}.items():
             targets = doc["cplm"][0][count]
             row[part] = bootstrap_gap([d[key] for d in doc["sentinel"]], [d[key] for d in doc["cplm"]], targets)
         other = lambda d: np.subtract(d["nll"], d["nll_copyable"])  # noqa: E731
         row["other"] = bootstrap_gap([other(d) for d in doc["sentinel"]], [other(d) for d in doc["cplm"]],
                                      np.subtract(doc["cplm"][0]["targets"], doc["cplm"][0]["copyable"]))
-        slices = {tuple(final[(mode, steps, s)].get("slice", ())) for mode in ("cplm", "sentinel") for s in SEEDS}
-        straddling = STRADDLING_TEST_DOCUMENTS.get(slices.pop()) if len(slices) == 1 else None
+        straddling = STRADDLING_TEST_DOCUMENTS.get(common[0])
         keep = [i for i in range(row["documents"]) if i not in (straddling or ())]
         row["all_but_straddling"] = None if straddling is None else bootstrap_gap(
             [np.take(d["nll"], keep) for d in doc["sentinel"]], [np.take(d["nll"], keep) for d in doc["cplm"]],
@@ -288,56 +313,52 @@ def heads_at_equal_schedules(out, n):
     return rows
 
 
+def judged(out, n, target):
+    """The judge (tools/compare.py) on the study's logs, the target being vanilla's group at N at its rule's scale;
+    strict: a group mixing code versions, data or a repeated seed is refused, not flagged. SystemExit (one line)
+    when the logs no longer give the fixed target (target.json edited, or a vanilla log replaced)."""
+    logs, skipped = compare.load([os.path.join(ROOT, out, "logs", "*.txt")])
+    spec = f"vanilla num_iterations={n} lr_muon={race.CPU_LRS['lr_muon'] * float(SCALES['vanilla']):g}"
+    step_file = os.path.join(ROOT, out, "step_time.txt")
+    try:
+        step_times = compare.read_step_times(step_file) if os.path.exists(step_file) else None
+        result = compare.judge(logs, target_from=spec, step_times=step_times, strict=True)
+    except ValueError as e:
+        raise SystemExit(f"speedrun.py: error: {e}") from None
+    if abs(result["target"] - target["target"]) > 5e-6 or result["n_target"] != len(target["finals"]):
+        raise SystemExit(f"speedrun.py: error: {out}/target.json says {target['target']:.5f} over "
+                         f"{len(target['finals'])} runs, vanilla's logs at N give {result['target']:.5f} over "
+                         f"{result['n_target']}: the target or a vanilla log changed after it was fixed")
+    return result, skipped
+
+
 def report(args, n):
-    """OUT/speedrun.md and OUT/speedrun.json: the target, every probe, each mode's steps and time to target."""
+    """OUT/speedrun.md and OUT/speedrun.json: the judge's tables on the study's logs (every figure: tools/compare.py),
+    the search's state, and the two heads at equal schedules on the test slice."""
     _, per_param, cpu_params, record_params = matched_steps()
     target = read_target(args.out)
-    vanilla = finals(args.out, "vanilla", n)
-    ratios = step_ratios(args.out)
-    result = {"N": n, "tokens_per_parameter": per_param, "cpu_non_embedding_parameters": cpu_params,
-              "record_non_embedding_parameters": record_params, "vanilla_finals": vanilla, "target": target,
-              "scales": SCALES, "step_time_ratios": ratios, "modes": {}}
     lines = [f"# The CPU speedrun: `python experiments/speedrun.py report --out {args.out}`", "",
              f"N = {n} steps of 2048 tokens: the record's {per_param:.2f} tokens per non-embedding parameter "
-             f"({RECORD_STEPS} x {RECORD_TOKENS_PER_STEP:,} tokens / {record_params:,}) times the cpu preset's "
-             f"{cpu_params:,}.", ""]
-    if target:
-        lines += [f"Target: {target['target']:.4f} (vanilla at N, mean of seeds "
-                  f"{', '.join(sorted(target['finals']))}; sd {target['sd']:.4f}; fixed {target['fixed_at']})", ""]
+             f"({RECORD_STEPS} x {RECORD_TOKENS_PER_STEP:,} = {RECORD_STEPS * RECORD_TOKENS_PER_STEP:,} tokens / "
+             f"{record_params:,}) times the cpu preset's {cpu_params:,}.", ""]
+    result = {"N": n, "tokens_per_parameter": per_param, "cpu_non_embedding_parameters": cpu_params,
+              "record_non_embedding_parameters": record_params, "target": target, "scales": SCALES}
+    if not target:
+        vanilla = finals(args.out, "vanilla", n)
+        lines.append(f"Target: not fixed yet (vanilla at N has finished seeds {', '.join(sorted(vanilla)) or 'none'})")
     else:
-        lines += [f"Target: not fixed yet (vanilla at N has finished seeds {', '.join(sorted(vanilla)) or 'none'})", ""]
-    lines += ["| mode | M (steps) | seeds | mean final val loss ± sd | one-sided p (below target) | passes |",
-              "|---|---|---|---|---|---|"]
-    if vanilla:
-        m, sd = compare.mean_std(list(vanilla.values()))
-        lines.append(f"| vanilla | {n} | {len(vanilla)} | {m:.4f} ± {sd or 0:.4f} | | (the target) |")
-    for mode in ("cplm", "sentinel"):
-        probes, nxt, steps, lo = search(args.out, mode, n, target)
-        record = {"probes": probes, "next": nxt, "steps_to_target": steps, "longest_failing": lo}
-        for m, r in sorted(probes.items()):
-            lines.append(f"| {mode} | {m} | {len(r['finals'])} | {r['mean']:.4f} ± {r['sd']:.4f} | {'-' if r['p'] is None else format(r['p'], '.2g')} | "
-                         f"{'yes' if r['passed'] else 'no'} |")
-        if nxt is not None:
-            lines.append(f"| {mode} | {nxt} | {len(finals(args.out, mode, nxt))} of {len(SEEDS)} (the next probe) | | | |")
-        if steps is not None and mode in ratios:
-            r, q1, q3 = ratios[mode]
-            record["time_ratio"] = steps / n * r
-            record["time_ratio_bracket"] = [lo / n * q1, steps / n * q3]  # grid bracket x the ratio's quartiles
-        result["modes"][mode] = record
-    lines.append("")
-    for mode, record in result["modes"].items():
-        if record["steps_to_target"] is None:
-            state = "searching" if record["next"] is not None else "no M up to N met the target"
-            lines.append(f"- {mode}: {state}")
-            continue
-        line = (f"- {mode}: {record['steps_to_target']} steps to target ({record['steps_to_target'] / n:.3f} N; "
-                f"{record['longest_failing']} failed)")
-        if "time_ratio" in record:
-            r = ratios[mode][0]
-            line += (f"; step time {r:.3f}x vanilla's, time to target {record['time_ratio']:.3f}x vanilla's "
-                     f"(between {record['time_ratio_bracket'][0]:.3f} and {record['time_ratio_bracket'][1]:.3f}: "
-                     "the grid's bracket times the step ratio's quartiles)")
-        lines.append(line)
+        judgement, skipped = judged(args.out, n, target)
+        result["judge"] = judgement
+        lines += [f"Target fixed {target['fixed_at']} (`target.json`, equal to the logs' mean). The judge's output "
+                  "(`python tools/compare.py` on the logs, the target from vanilla's group at N, "
+                  "`--step_times step_time.txt --strict`):", "", "```", compare.format_report(judgement), "```", ""]
+        lines += [f"- skipped (not a log yet): {x}" for x in skipped]
+        for mode in ("cplm", "sentinel"):
+            probes, nxt, steps, lo = search(args.out, mode, n, target)
+            result.setdefault("search", {})[mode] = {"next": nxt, "steps_to_target": steps, "longest_failing": lo}
+            lines.append(f"- {mode}'s search (rule 4, Welch's test): " + (
+                f"the next probe is M = {nxt} ({len(finals(args.out, mode, nxt))} of {len(SEEDS)} seeds done)"
+                if nxt is not None else f"done: {steps} passes, {lo} fails" if steps else "no M up to N passes"))
     result["heads"] = heads_at_equal_schedules(args.out, n)
     if result["heads"]:
         lines += ["", "CPLM against the pointer sentinel at equal schedules, on the test slice (`test_slice.json`): "
@@ -355,7 +376,7 @@ def report(args, n):
     with open(os.path.join(ROOT, args.out, "speedrun.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(ROOT, args.out, "speedrun.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        f.write(compare.to_json(result) + "\n")
     print("\n".join(lines))
     return 0
 
@@ -370,7 +391,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.jobs < 1 or args.max_steps < 0:
         p.error(f"--jobs must be >= 1 and --max_steps >= 0 (got {args.jobs}, {args.max_steps})")
-    if not os.path.exists(os.path.join(ROOT, "data/prose8192/prose8192_val_000000.bin")):
+    if args.what == "run" and not os.path.exists(os.path.join(ROOT, "data/prose8192/prose8192_val_000000.bin")):
         print("speedrun.py: error: no prose corpus of V = 8192: build it with `bash data/build_prose_corpus.sh`",
               file=sys.stderr)
         return 1

@@ -1,35 +1,44 @@
 #!/usr/bin/env python3
-"""Compare training runs from their log files.
+"""The judge: steps and time to a target validation loss, per mode, from training logs.
 
-Each log (``logs/<run_id>.txt``) starts with the training script's own source
-code, followed by the run's output.  Only lines that begin at column 0 and
-match the log format are used:
+    python tools/compare.py 'logs/*.txt' --target 3.28                  # your runs, the speedrun's target
+    python tools/compare.py 'logs/*.txt' --target_from vanilla          # the target: vanilla's mean final
+    python tools/compare.py 'records/cpu_speedrun/logs/*.txt' --target_from 'vanilla lr_muon=0.02' \\
+        --step_times records/cpu_speedrun/step_time.txt                 # README's CPU speedrun row
 
-    run_id: <id>
-    hyperparameters: {...one-line JSON...}
-    step:S/N val_loss:X train_time:Tms ...
-    step:S/N [train_loss:X ]train_time:Tms ...  (train_loss only every --train_loss_every steps)
-    step:S/N copy_share:... lambda:...        (optional diagnostics)
-    stopped: <reason>                          (optional)
-    peak memory allocated: M MiB ...
+What it does, in one definition for every table in the repo:
+- **Groups.** A run's mode (vanilla, CPLM, sentinel, stop-grad CPLM) and its schedule length (`num_iterations`)
+  make its group; seeds and data orders (`seed`, `data_seed`) are pooled, as are the knobs that only name or
+  place a run (`run_id`, `log_dir`, checkpoints, logging intervals). A *series* is one mode's groups at every
+  schedule length, all other settings equal. A killed run (no final line), a log cut mid-line, a copy of
+  another log and a log whose final line disagrees with its last validation are listed and not counted.
+- **The target.** `--target X`: a fixed convention (the speedrun's 3.28); a group passes when its mean final
+  val loss is below X by a one-sided one-sample t-test, p < 0.01 (the speedrun's record rule).
+  `--target_from GROUP`: the mean final val loss of that group's runs, an estimate, so its uncertainty counts:
+  Welch's one-sided two-sample t-test against the group's runs decides; the one-sample test, and the test
+  paired by seed where the seeds match, are printed beside it.
+- **Steps to target**, two readings. *The rule's*: the shortest schedule whose group passes (the longest
+  failing one below it in brackets). *The crossing*: where the mean final loss, as a function of schedule
+  length over the schedules run, meets the target, linearly interpolated between the two schedules around it
+  (± sd over seeds: each seed's crossing on the same two schedules). A series with one schedule only gets the
+  *curve crossing* instead: the first step at which its mean validation curve meets the target (interpolated
+  between validations); it reads the schedule before its cooldown has ended, so it flatters short runs less
+  than a longer schedule would, and says so.
+- **Time to target** = steps x step time. The step time comes from `--step_times FILE` (one process timing
+  the modes alternated: experiments/cp_cost.py step_time's JSON line) or, without it, from the logs' own
+  clocks (the median over a group's runs of train time / steps: noisy on a shared machine). The ratio is to
+  the reference: the target's group (its own schedule), or, with a fixed target, vanilla's time to it.
+- **Provenance.** Runs compared must share a validation set (the logs' `data:` sha256 and the validation
+  settings): otherwise the judge refuses. A group mixing code versions (`git:`), training data or a repeated
+  seed is flagged (`--strict`: refused).
 
-Runs are grouped into configurations (hyperparameters minus seed, run_id, log_dir and resume, or
-only the keys given to --group_by).  For every run and group the tool reports
-the final validation loss, when a target loss was reached, and a one-sided
-one-sample Student t-test of "mean final val loss < target" (the speedrun's
-record rule is p < 0.01).
-
-Stand-alone: standard library only; matplotlib is needed only for --plot.
-
-Usage:
-    python tools/compare.py 'logs/*.txt' [--target 3.28] [--group_by k1,k2]
-        [--ignore k1,k2] [--target_from LABEL_OR_key=value] [--plot out.png]
-        [--json]
+Standard library only; matplotlib for --plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import hashlib
 import json
@@ -39,9 +48,15 @@ import re
 import sys
 
 DEFAULT_TARGET = 3.28
-# where a run was written, and how it was checkpointed or logged, is not what it was
-ALWAYS_IGNORED = ("seed", "run_id", "log_dir", "resume", "overwrite", "checkpoint_every", "save_checkpoint",
-                  "keep_checkpoints", "train_loss_every", "dist_timeout_s")
+P_PASS = 0.01  # the speedrun's record rule
+# knobs that pick a seed or data order (pooled) and knobs that only name, place, checkpoint or log a run (ignored)
+SEED_KEYS = ("seed", "data_seed")
+ALWAYS_IGNORED = ("run_id", "log_dir", "resume", "overwrite", "checkpoint_every", "save_checkpoint",
+                  "keep_checkpoints", "train_loss_every", "val_loss_every", "dist_timeout_s")
+# settings that define the validation loss itself: runs that differ in them are not comparable
+VALIDATION_KEYS = ("val_tokens", "val_seq_len", "vocab_size", "bos_id")
+MODE_NAMES = ("vanilla", "CPLM", "sentinel", "stop-grad CPLM")
+MODE_KEYS = ("cplm", "copy_gate", "cp_stop_grad")
 
 _FLOAT = r"[-+]?(?:nan|inf|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
 RE_HPARAMS = re.compile(r"^hyperparameters: (\{.*\})$")
@@ -56,6 +71,9 @@ RE_STEP_KV = re.compile(r"^step:(\d+)/(\d+) ((?:[A-Za-z_]\w*:\S+)(?: [A-Za-z_]\w
 RE_STOPPED = re.compile(r"^stopped:(.*)$")
 RE_RESUMED_AT = re.compile(r"^(?:continuing|resumed from .*) at step (\d+), train_time")
 RE_PEAK_MEM = re.compile(r"^peak memory allocated: (\d+) MiB(?: reserved: (\d+) MiB)?")
+RE_FINAL = re.compile(r"^final (?:val_loss:(" + _FLOAT + r") )?train_time:(\d+)ms steps:(\d+)\s*$", re.IGNORECASE)
+RE_GIT = re.compile(r"^git: (\S+)")
+RE_DATA = re.compile(r"^data: (.+) sha256 ([0-9a-f]{64})\s*$")
 
 
 class LogError(ValueError):
@@ -90,15 +108,19 @@ def parse_log(path):
 
     Returns a dict with keys: path, run_id, hyperparameters (dict), val (list
     of {step, total, loss, time_ms}), train (same with train loss, None where not logged),
-    diagnostics (list of {step, ...floats}), stopped (str or None),
-    peak_mem_mib, reserved_mem_mib.  Raises LogError if the file cannot be
+    diagnostics (list of {step, ...floats}), stopped (str or None), finished (it ended: its final line, or a
+    non-finite loss), problem (why a finished-looking log cannot be trusted, or None), git (the commit it ran),
+    data ({shard path: sha256}), peak_mem_mib, reserved_mem_mib.  Raises LogError if the file cannot be
     read or has no val_loss lines.
     """
     try:
         with open(path, "r", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except OSError as e:
         raise LogError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # e.g. a file of NUL bytes from a crashed disk
+        raise LogError(f"cannot read {path}: {e}") from None
+    lines = text.splitlines()
 
     # The source code comes first, up to a line of "=": nothing in it is a measurement. A resumed run adds
     # sections (each from its own hyperparameters line); a resume at step N cuts what an earlier section logged
@@ -109,14 +131,23 @@ def parse_log(path):
     hparams = None
     run_id = None
     by_step = {"val": {}, "train": {}, "diags": {}}
-    stopped, peak, reserved, finished = None, None, None, False
+    stopped, peak, reserved, finished, final, git, data = None, None, None, False, None, None, {}
     for line in lines[separator + 1:]:
         obj = _hparams_of(line)
         if obj is not None:
-            hparams, stopped, finished = obj, None, False
+            hparams, stopped, finished, final = obj, None, False, None
             continue
         if line.startswith("final val_loss:"):  # the last line of a run that ended normally
-            finished = True
+            m = RE_FINAL.match(line)
+            finished = m is not None  # a line cut short (a full disk, a copy stopped midway) ends nothing
+            final = (_to_float(m.group(1)) if m and m.group(1) else None, int(m.group(3))) if m else None
+            continue
+        m = RE_GIT.match(line) or RE_DATA.match(line)
+        if m:
+            if m.re is RE_GIT:
+                git = m.group(1)
+            else:
+                data[m.group(1)] = m.group(2)
             continue
         m = RE_RUN_ID.match(line)
         if m:
@@ -166,122 +197,21 @@ def parse_log(path):
 
     if not val:
         raise LogError(f"{path}: no val_loss lines")
+    problem = None
+    if finished and not text.endswith("\n"):
+        finished, problem = False, "cut mid-line: the file does not end with a whole line"
+    elif finished and final is not None and not (final[1] == val[-1]["step"] and (final[0] is None or (
+            final[0] == round(val[-1]["loss"], 4) if math.isfinite(final[0]) else str(final[0]) == str(val[-1]["loss"])))):
+        problem = (f"its final line (val_loss {final[0]} at step {final[1]}) disagrees with its last validation "
+                   f"({val[-1]['loss']} at step {val[-1]['step']})")
     if run_id is None:
         run_id = (hparams or {}).get("run_id") or os.path.splitext(os.path.basename(path))[0]
     # two files with the same measurements are copies of one run, whatever their names
     fingerprint = hashlib.sha256(json.dumps([hparams, val, train], sort_keys=True, default=str).encode()).hexdigest()
     return dict(path=str(path), run_id=str(run_id), hyperparameters=hparams or {},
-                val=val, train=train, diagnostics=diags, stopped=stopped, finished=finished,
-                peak_mem_mib=peak, reserved_mem_mib=reserved, fingerprint=fingerprint)
+                val=val, train=train, diagnostics=diags, stopped=stopped, finished=finished, problem=problem,
+                peak_mem_mib=peak, reserved_mem_mib=reserved, fingerprint=fingerprint, git=git, data=data)
 
-
-# ---------------------------------------------------------------------------
-# Per-run metrics
-# ---------------------------------------------------------------------------
-
-def target_crossing(val, target):
-    """When does the val loss first reach ``target`` (loss <= target)?
-
-    Returns None if never, else a dict with
-      step, time_ms             -- the first evaluation with loss <= target
-      interp_step, interp_time_ms -- linear interpolation between that
-                                  evaluation and the previous one (equal to
-                                  the evaluation itself if it is the first).
-    """
-    prev = None
-    for v in val:
-        loss = v["loss"]
-        if not math.isfinite(loss):
-            prev = None
-            continue
-        if loss <= target:
-            if prev is None:  # already below target at the first (valid) evaluation
-                istep, itime = float(v["step"]), float(v["time_ms"])
-            else:  # prev["loss"] > target >= loss
-                frac = (prev["loss"] - target) / (prev["loss"] - loss)
-                istep = prev["step"] + frac * (v["step"] - prev["step"])
-                itime = prev["time_ms"] + frac * (v["time_ms"] - prev["time_ms"])
-            return dict(step=v["step"], time_ms=v["time_ms"],
-                        interp_step=istep, interp_time_ms=itime)
-        prev = v
-    return None
-
-
-def summarize_run(log, target):
-    """Per-run summary: final val loss, steps, train time, target crossing."""
-    last = log["val"][-1]
-    all_steps = [v["step"] for v in log["val"]] + [t["step"] for t in log["train"]]
-    all_times = [v["time_ms"] for v in log["val"]] + [t["time_ms"] for t in log["train"]]
-    hp = log["hyperparameters"]
-    return dict(
-        run_id=log["run_id"], path=log["path"], seed=hp.get("seed"),
-        final_val_loss=last["loss"], final_step=last["step"],
-        final_time_ms=last["time_ms"], num_iterations=last["total"],
-        steps=max(all_steps), train_time_ms=max(all_times),
-        stopped=log["stopped"], peak_mem_mib=log["peak_mem_mib"], excluded=log.get("excluded"),
-        last_diagnostics=log["diagnostics"][-1] if log["diagnostics"] else None,
-        target=target, crossing=target_crossing(log["val"], target),
-    )
-
-
-# ---------------------------------------------------------------------------
-# Grouping
-# ---------------------------------------------------------------------------
-
-def _split_keys(s):
-    return [k.strip() for k in (s or "").split(",") if k.strip()]
-
-
-def group_runs(logs, group_by=None, ignore=()):
-    """Group parsed logs into configurations.
-
-    Default: by hyperparameters without seed, run_id and ``ignore`` keys.
-    With ``group_by`` (list of keys): by those keys only (missing -> None).
-    Returns a list of {"label", "config", "logs"} in first-seen order; labels
-    are built from the config keys whose values differ between groups.
-    """
-    groups = {}
-    for log in logs:
-        hp = log["hyperparameters"]
-        if group_by:
-            config = {k: hp.get(k) for k in group_by}
-        else:
-            drop = set(ALWAYS_IGNORED) | set(ignore or ())
-            config = {k: v for k, v in hp.items() if k not in drop}
-        key = json.dumps(config, sort_keys=True, default=str)
-        groups.setdefault(key, {"config": config, "logs": []})["logs"].append(log)
-    out = list(groups.values())
-    labels = make_labels([g["config"] for g in out])
-    for g, lab in zip(out, labels):
-        g["label"] = lab
-    return out
-
-
-def _fmt_value(v):
-    if v is None:
-        return "-"
-    if isinstance(v, str):
-        return v
-    return json.dumps(v, sort_keys=True)
-
-
-def make_labels(configs):
-    """Short labels from the keys whose values differ between configs."""
-    keys = []
-    for c in configs:
-        for k in c:
-            if k not in keys:
-                keys.append(k)
-    def sig(c, k):
-        return json.dumps([k in c, c.get(k)], sort_keys=True, default=str)
-    differing = [k for k in keys if len({sig(c, k) for c in configs}) > 1]
-    labels = []
-    modes = {0: "vanilla", 1: "CPLM"}  # the modes by the names README gives them
-    for c in configs:
-        parts = [modes[c[k]] if k == "cplm" and c.get(k) in modes else f"{k}={_fmt_value(c.get(k))}"
-                 for k in differing]
-        labels.append(" ".join(parts) if parts else "all")
-    return labels
 
 
 # ---------------------------------------------------------------------------
@@ -401,68 +331,83 @@ def paired_ttest_below(pairs):
     return test
 
 
-def summarize_group(group, target):
-    """Statistics over the group's counted runs: finished, and each run once (mark_excluded)."""
-    listed = [summarize_run(log, target) for log in group["logs"]]
-    runs = [r for r in listed if r["excluded"] is None]
-    finals = [r["final_val_loss"] for r in runs]
-    finite = [x for x in finals if math.isfinite(x)]
-    fm, fs = mean_std(finite)
-    reached = [r for r in runs if r["crossing"] is not None]
-
-    def ms(key):
-        m, s = mean_std([r["crossing"][key] for r in reached])
-        return {"mean": m, "std": s}
-
-    return dict(
-        label=group["label"], config=group["config"], n=len(runs),
-        n_nonfinite=len(finals) - len(finite),
-        final_val_loss={"mean": fm, "std": fs},
-        final_step={"mean": mean_std([r["final_step"] for r in runs])[0]},
-        final_time_ms={"mean": mean_std([r["final_time_ms"] for r in runs])[0]},
-        n_reached=len(reached),
-        steps_to_target=ms("step"), time_ms_to_target=ms("time_ms"),
-        interp_steps_to_target=ms("interp_step"),
-        interp_time_ms_to_target=ms("interp_time_ms"),
-        ttest=one_sided_ttest_below(finite, target),
-        runs=listed, n_excluded=len(listed) - len(runs),
-    )
+def welch_ttest_below(xs, ys):
+    """Welch's two-sample t-test of H1: mean(xs) < mean(ys), for a target that is itself an estimate (ys: the
+    runs that define it). Returns dict(t, df, p) (Welch-Satterthwaite df), or None when either has n < 2."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    ys = [y for y in ys if y is not None and math.isfinite(y)]
+    if len(xs) < 2 or len(ys) < 2:
+        return None
+    (mx, sx), (my, sy) = mean_std(xs), mean_std(ys)
+    vx, vy = sx * sx / len(xs), sy * sy / len(ys)
+    if vx + vy == 0.0:
+        return dict(t=None, df=None, p=None)
+    df = (vx + vy) ** 2 / (vx * vx / (len(xs) - 1) + vy * vy / (len(ys) - 1))
+    t = (my - mx) / math.sqrt(vx + vy)
+    return dict(t=t, df=df, p=students_t_sf(t, df))
 
 
-def mean_curve(group):
-    """{step: mean val loss} over the group's counted runs, at the steps every one of them validated."""
-    curves = [{v["step"]: v["loss"] for v in log["val"]} for log in group["logs"] if log["excluded"] is None]
-    if not curves:
-        return {}
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
-    return {s: sum(c[s] for c in curves) / len(curves) for s in steps}
+def paired_ttest_below(pairs):
+    """One-sided paired t-test of H1: x < y over (x, y) pairs (the same seed and data order), or None (n < 2)."""
+    diffs = [y - x for x, y in pairs if math.isfinite(x) and math.isfinite(y)]
+    test = one_sided_ttest_below([-d for d in diffs], 0.0)
+    return test
 
 
-def race(groups):
-    """The groups side by side: mean val loss at the steps all of them validated, and for each ordered pair the
-    steps one needs to reach the other's final loss, by first crossing and by staying below from then on."""
-    curves = {g["label"]: mean_curve(g) for g in groups}
-    common = sorted(set.intersection(*(set(c) for c in curves.values()))) if all(curves.values()) else []
-    pairs = []
-    for a, ca in curves.items():
-        for b, cb in curves.items():
-            if a == b or not ca or not cb:
-                continue
-            goal = cb[max(cb)]  # b's final (mean) val loss
-            steps = sorted(ca)
-            first = next((s for s in steps if ca[s] <= goal), None)
-            stays = next((s for i, s in enumerate(steps) if all(ca[t] <= goal for t in steps[i:])), None)
-            pairs.append(dict(group=a, other=b, other_final=goal, other_final_step=max(cb), first_crossing=first,
-                              stays_below=stays))
-    return dict(steps=common, curves={k: {s: c[s] for s in common} for k, c in curves.items()}, pairs=pairs)
+# ---------------------------------------------------------------------------
+# Runs, groups and series
+# ---------------------------------------------------------------------------
+
+def mode_of(hp):
+    """The run's mode by README's names."""
+    if not hp.get("cplm"):
+        return "vanilla"
+    if hp.get("copy_gate") == "sentinel":
+        return "sentinel"
+    return "stop-grad CPLM" if hp.get("cp_stop_grad") else "CPLM"
+
+
+def target_crossing(val, target):
+    """The first validation at or below ``target``: None, or dict(step, time_ms, interp_step, interp_time_ms), the
+    interp_ values linearly interpolated between that validation and the one before it."""
+    prev = None
+    for v in val:
+        loss = v["loss"]
+        if not math.isfinite(loss):
+            prev = None
+            continue
+        if loss <= target:
+            if prev is None:  # already below target at the first (valid) evaluation
+                istep, itime = float(v["step"]), float(v["time_ms"])
+            else:  # prev["loss"] > target >= loss
+                frac = (prev["loss"] - target) / (prev["loss"] - loss)
+                istep = prev["step"] + frac * (v["step"] - prev["step"])
+                itime = prev["time_ms"] + frac * (v["time_ms"] - prev["time_ms"])
+            return dict(step=v["step"], time_ms=v["time_ms"], interp_step=istep, interp_time_ms=itime)
+        prev = v
+    return None
+
+
+def summarize_run(log):
+    """One run: its final validation, its length, its clock."""
+    last = log["val"][-1]
+    times = [v["time_ms"] for v in log["val"]] + [t["time_ms"] for t in log["train"]]
+    steps = max([v["step"] for v in log["val"]] + [t["step"] for t in log["train"]])
+    hp = log["hyperparameters"]
+    return dict(run_id=log["run_id"], path=log["path"], seed=hp.get("seed"), data_seed=hp.get("data_seed"),
+                final_val_loss=last["loss"], final_step=last["step"], num_iterations=last["total"],
+                steps=steps, train_time_ms=max(times), step_ms=max(times) / steps if steps else None,
+                stopped=log["stopped"], excluded=log.get("excluded"), git=log.get("git"))
 
 
 def mark_excluded(logs):
-    """Sets log["excluded"] to why a run must not count in a group's mean and test: it never ended (killed or
-    stopped: no final line), or it is a copy of an earlier file's run (the same measurements)."""
+    """Sets log["excluded"] to why a run must not count: it never ended (killed, stopped: no final line), its log
+    cannot be trusted (cut mid-line, a final line that disagrees), or it is a copy of an earlier file's run."""
     first = {}
     for log in logs:
-        if not log.get("finished", True):
+        if log.get("problem"):
+            log["excluded"] = log["problem"]
+        elif not log.get("finished", True):
             log["excluded"] = "incomplete: no final line" + (f" ({log['stopped']})" if log["stopped"] else "")
         elif log["fingerprint"] in first:
             log["excluded"] = f"copy of {first[log['fingerprint']]}"
@@ -471,71 +416,329 @@ def mark_excluded(logs):
             first[log["fingerprint"]] = log["path"]
 
 
-def find_reference(groups, spec):
-    """Find the single group matching ``spec``: either key=value pairs (space
-    or comma separated) matched against group configs, or a label substring.
-    Raises ValueError when nothing or more than one group matches."""
-    pairs = [p for p in re.split(r"[\s,]+", spec.strip()) if p]
-    matches = []
-    if pairs and all("=" in p for p in pairs):
-        kv = [p.split("=", 1) for p in pairs]
+def _key(d):
+    return json.dumps(d, sort_keys=True, default=str)
 
-        def ok(cfg):
-            for k, v in kv:
-                if k not in cfg:
-                    return False
-                if v not in (_fmt_value(cfg[k]), str(cfg[k])):
-                    return False
-            return True
-        matches = [g for g in groups if ok(g["config"])]
-    if not matches:
-        matches = [g for g in groups if spec in g["label"]]
+
+def group_runs(logs, ignore=()):
+    """Groups (one mode, one schedule length, all other settings equal; seeds pooled) in first-seen order, each
+    {"config", "series" (its config without num_iterations), "mode", "steps", "logs"}; then labels."""
+    drop = set(SEED_KEYS) | set(ALWAYS_IGNORED) | set(ignore or ())
+    groups = {}
+    for log in logs:
+        config = {k: v for k, v in log["hyperparameters"].items() if k not in drop}
+        groups.setdefault(_key(config), {"config": config, "logs": []})["logs"].append(log)
+    out = list(groups.values())
+    for g in out:
+        g["series"] = {k: v for k, v in g["config"].items() if k != "num_iterations"}
+        g["mode"] = mode_of(g["config"])
+        g["steps"] = g["config"].get("num_iterations") or g["logs"][0]["val"][-1]["total"]
+    label_series(out)
+    return out
+
+
+def _fmt_value(v):
+    if v is None:
+        return "-"
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+
+
+def label_series(groups):
+    """Each group's "series_label": its mode, and where one mode has several series the settings that tell them
+    apart (a letter and a legend line when those do not fit in 24 characters); "label": that and n=steps."""
+    series = {}
+    for g in groups:
+        series.setdefault(_key(g["series"]), g)
+    by_mode = {}
+    for key, g in series.items():
+        by_mode.setdefault(g["mode"], []).append(key)
+    names, legend = {}, {}
+    for mode, keys in by_mode.items():
+        configs = [series[k]["series"] for k in keys]
+        differing = [k for k in dict.fromkeys(k for c in configs for k in c)
+                     if k not in MODE_KEYS and len({_key([k in c, c.get(k)]) for c in configs}) > 1]
+        for i, (key, c) in enumerate(zip(keys, configs)):
+            tag = " ".join(f"{k}={_fmt_value(c.get(k))}" for k in differing)
+            if len(tag) > 24:
+                legend[f"{mode} ({chr(97 + i)})"] = tag
+                tag = f"({chr(97 + i)})"
+            names[key] = f"{mode} {tag}".strip()
+    for g in groups:
+        g["series_label"] = names[_key(g["series"])]
+        g["label"] = f"{g['series_label']} n={g['steps']}"
+    return legend
+
+
+def find_group(groups, spec):
+    """The one group that ``spec`` names: words that are a mode ("vanilla"), a label or a part of one, and
+    key=value settings; a schedule length may be omitted when the series has one. ValueError otherwise."""
+    words = [w for w in re.split(r"[\s,]+", spec.strip()) if w]
+    settings = [w.split("=", 1) for w in words if "=" in w]
+    text = " ".join(w for w in words if "=" not in w)
+
+    def ok(g):
+        if any(k not in g["config"] or v not in (_fmt_value(g["config"][k]), str(g["config"][k])) for k, v in settings):
+            return False
+        return not text or text in MODE_NAMES and g["mode"] == text or text not in MODE_NAMES and text in g["label"]
+    matches = [g for g in groups if ok(g)]
     if len(matches) != 1:
-        labels = ", ".join(repr(g["label"]) for g in groups)
-        what = "no group" if not matches else f"{len(matches)} groups"
-        raise ValueError(f"--target_from {spec!r} matches {what} (groups: {labels})")
+        shown = ", ".join(repr(g["label"]) for g in (matches or groups)[:4])
+        more = f" and {len(matches or groups) - 4} more" if len(matches or groups) > 4 else ""
+        if matches:
+            raise ValueError(f"--target_from {spec!r} matches {len(matches)} groups ({shown}{more}): name one "
+                             "more setting, e.g. num_iterations=N")
+        raise ValueError(f"--target_from {spec!r} matches no group (groups: {shown}{more})")
     return matches[0]
 
 
-def _ratio(a, b):
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
+def val_identity(log):
+    """What the validation loss was computed on: the validation settings, and the val shards' sha256 where the
+    log names them (the script logs every shard it reads)."""
+    hp = log["hyperparameters"]
+    pattern = hp.get("val_files")
+    shas = sorted(sha for path, sha in log.get("data", {}).items()
+                  if pattern and (fnmatch.fnmatch(path, pattern) or path == pattern))
+    return {**{k: hp.get(k) for k in VALIDATION_KEYS}, "val_sha256": shas or None}
 
 
-def compare(logs, target=DEFAULT_TARGET, group_by=None, ignore=(), target_from=None):
-    """Full analysis of parsed logs.  Returns a JSON-serialisable dict."""
-    mark_excluded(logs)
-    groups = group_runs(logs, group_by=group_by, ignore=ignore)
-    ref = None
-    target_source = "fixed"
-    if target_from:
-        ref = find_reference(groups, target_from)
-        ref_final = [log["val"][-1]["loss"] for log in ref["logs"] if log["excluded"] is None]
-        m, _ = mean_std([x for x in ref_final if math.isfinite(x)])
-        if m is None:
-            raise ValueError(f"reference group {ref['label']!r} has no finite final val loss")
-        target = m
-        target_source = f"mean final val loss of {ref['label']!r}"
-    summaries = [summarize_group(g, target) for g in groups]
-    result = dict(target=target, target_source=target_source, groups=summaries,
-                  reference=None, race=race(groups) if len(groups) > 1 else None)
-    if ref is not None:
-        rs = summaries[groups.index(ref)]
-        ref_steps = rs["final_step"]["mean"]
-        ref_time = rs["final_time_ms"]["mean"]
-        result["reference"] = dict(label=rs["label"], mean_final_step=ref_steps,
-                                   mean_final_time_ms=ref_time)
-        for s in summaries:
-            if s is rs:
-                s["convergence_ratio"] = None
+def provenance(groups, counted_only=True):
+    """(errors, warnings): runs on other validation sets are not comparable (an error); within a group, other code
+    versions, other training data or a repeated (seed, data_seed) are flagged."""
+    errors, warnings = [], []
+    idents = {}
+    for g in groups:
+        for log in g["logs"]:
+            if log["excluded"] is None or not counted_only:
+                ident = val_identity(log)
+                if ident["val_sha256"] is None:  # no data lines (an older log): the settings alone
+                    ident = {k: v for k, v in ident.items() if k != "val_sha256"}
+                idents.setdefault(_key(ident), []).append(log["path"])
+    if len({k for k in idents if "val_sha256" in json.loads(k)}) > 1 or len(
+            {_key({k: v for k, v in json.loads(k).items() if k != "val_sha256"}) for k in idents}) > 1:
+        parts = [f"{os.path.basename(paths[0])} ({json.loads(k)})" for k, paths in idents.items()]
+        errors.append("the runs were validated on different data or settings, not comparable: "
+                      + "; ".join(parts[:3]))
+    for g in groups:
+        counted = [log for log in g["logs"] if log["excluded"] is None]
+        gits = sorted({log.get("git") or "?" for log in counted})
+        if len(gits) > 1:
+            warnings.append(f"{g['label']}: runs of different code ({', '.join(x[:10] for x in gits)})")
+        trains = {_key(sorted((p, s) for p, s in log.get("data", {}).items()
+                              if not fnmatch.fnmatch(p, log["hyperparameters"].get("val_files") or "")))
+                  for log in counted}
+        if len(trains) > 1:
+            warnings.append(f"{g['label']}: runs on different training shards (their sha256)")
+        seen = {}
+        for log in counted:
+            hp = log["hyperparameters"]
+            seed = (hp.get("seed"), hp.get("data_seed"))
+            if seed in seen:
+                warnings.append(f"{g['label']}: seed {seed[0]} (data_seed {seed[1]}) twice: "
+                                f"{os.path.basename(seen[seed])} and {os.path.basename(log['path'])}")
+            seen.setdefault(seed, log["path"])
+    return errors, warnings
+
+
+# ---------------------------------------------------------------------------
+# The judgement
+# ---------------------------------------------------------------------------
+
+def finals_of(group):
+    """{(seed, data_seed): final val loss} of the group's counted runs (a repeated seed keeps the first)."""
+    out = {}
+    for log in group["logs"]:
+        if log["excluded"] is None:
+            hp = log["hyperparameters"]
+            out.setdefault((hp.get("seed"), hp.get("data_seed")), log["val"][-1]["loss"])
+    return out
+
+
+def decide(finals, target, reference=None):
+    """Does a group's mean final loss lie below the target? With a reference group (the target is its mean):
+    Welch's two-sample test decides, one-sample and paired beside; else the one-sample test. A non-finite
+    final (a run that diverged) fails the group: its mean is infinite and no test is run."""
+    values = list(finals.values())
+    finite = [x for x in values if math.isfinite(x)]
+    mean, sd = mean_std(values) if len(finite) == len(values) else (float("inf") if values else None, None)
+    one = one_sided_ttest_below(finite, target) if len(finite) == len(values) else None
+    out = dict(n=len(values), n_nonfinite=len(values) - len(finite), mean=mean, sd=sd, one_sample=one,
+               welch=None, paired=None, test="one-sample")
+    if reference is not None:
+        out["test"] = "Welch"
+        if len(finite) == len(values):
+            out["welch"] = welch_ttest_below(finite, list(reference.values()))
+            pairs = [(finals[s], reference[s]) for s in finals if s in reference]
+            out["paired"] = paired_ttest_below(pairs) if len(pairs) >= 2 else None
+    decider = out["welch"] if reference is not None else one
+    out["p"] = decider and decider["p"]
+    out["passed"] = bool(out["p"] is not None and mean is not None and mean < target and out["p"] < P_PASS)
+    return out
+
+
+def interpolate_crossing(points, target):
+    """points: [(steps, loss)] sorted by steps. The steps where the piecewise-linear curve first meets ``target``
+    from above, its bracket (the two points around it), or (None, None) when it never does; (steps0, None) when
+    the first point is already at or below it."""
+    if points and points[0][1] <= target:
+        return points[0][0], None
+    for (m0, l0), (m1, l1) in zip(points, points[1:]):
+        if l0 > target >= l1:
+            return m0 + (l0 - target) / (l0 - l1) * (m1 - m0), (m0, m1)
+    return None, None
+
+
+def schedule_crossing(groups, target):
+    """The crossing of a series run at several schedule lengths: the mean final loss against schedule length,
+    interpolated; the spread over the seeds that ran both bracketing schedules (each seed's own crossing on them)."""
+    finals = {g["steps"]: finals_of(g) for g in groups}
+    points = [(m, mean_std(list(f.values()))[0]) for m, f in sorted(finals.items()) if f]
+    points = [(m, x) for m, x in points if x is not None and math.isfinite(x)]
+    at, bracket = interpolate_crossing(points, target)
+    if bracket is None:
+        return dict(steps=at, sd=None, n_seeds=0, bracket=None, below_shortest=at is not None)
+    a, b = (finals[m] for m in bracket)
+    per_seed = []
+    for seed in a.keys() & b.keys():
+        l0, l1 = a[seed], b[seed]
+        if math.isfinite(l0) and math.isfinite(l1) and l0 > l1:
+            per_seed.append(bracket[0] + (l0 - target) / (l0 - l1) * (bracket[1] - bracket[0]))
+    return dict(steps=at, sd=mean_std(per_seed)[1], n_seeds=len(per_seed), bracket=list(bracket),
+                below_shortest=False)
+
+
+def curve_crossing(group, target):
+    """A single schedule: the first step at which the group's mean validation curve meets the target, interpolated
+    between validations; the spread over the runs' own crossings."""
+    curves = [{v["step"]: v["loss"] for v in log["val"]} for log in group["logs"] if log["excluded"] is None]
+    if not curves:
+        return dict(steps=None, sd=None, n_seeds=0)
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    points = [(s, sum(c[s] for c in curves) / len(curves)) for s in common]
+    at, _ = interpolate_crossing([(s, x) for s, x in points if math.isfinite(x)], target)
+    own = [target_crossing(log["val"], target) for log in group["logs"] if log["excluded"] is None]
+    own = [c["interp_step"] for c in own if c]
+    return dict(steps=at, sd=mean_std(own)[1], n_seeds=len(own))
+
+
+def read_step_times(path):
+    """{mode name: (step time over vanilla's, per-round ratio quartiles or None)} from a step-time file: the JSON
+    line of experiments/cp_cost.py step_time (ratio_<mode>, pair_ratio_quartiles_<mode>). ValueError if none."""
+    try:
+        lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read --step_times {path}: {e.strerror or e}") from None
+    for line in lines:
+        if line.startswith("{"):
+            try:
+                measured = json.loads(line)
+            except ValueError:
                 continue
-            s["convergence_ratio"] = dict(
-                steps=_ratio(s["interp_steps_to_target"]["mean"], ref_steps),
-                time=_ratio(s["interp_time_ms_to_target"]["mean"], ref_time),
-                n_reached=s["n_reached"],
-            )
+            names = {"cplm": "CPLM", "sentinel": "sentinel", "stopgrad": "stop-grad CPLM"}
+            out = {"vanilla": (1.0, None)}
+            for key, mode in names.items():
+                r = measured.get(f"ratio_{key}")
+                if isinstance(r, (int, float)) and math.isfinite(r) and r > 0:
+                    q = measured.get(f"pair_ratio_quartiles_{key}")
+                    out[mode] = (float(r), tuple(q) if isinstance(q, list) and len(q) == 2 else None)
+            if len(out) > 1:
+                return out
+    raise ValueError(f"--step_times {path}: no JSON line with ratio_cplm or ratio_sentinel (the output of "
+                     "experiments/cp_cost.py step_time)")
+
+
+def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore=(), strict=False):
+    """The whole judgement of parsed logs; a JSON-serialisable dict. ValueError: not comparable, or (strict)
+    flagged, or no group named by target_from."""
+    mark_excluded(logs)
+    groups = group_runs(logs, ignore)
+    legend = label_series(groups)
+    order = {m: i for i, m in enumerate(MODE_NAMES)}
+    groups.sort(key=lambda g: (order.get(g["mode"], len(order)), g["series_label"], g["steps"]))
+    errors, warnings = provenance(groups)
+    if errors or (strict and warnings):
+        raise ValueError((errors or warnings)[0] + ("" if errors else " (--strict)"))
+    ref = find_group(groups, target_from) if target_from else None
+    reference = finals_of(ref) if ref else None
+    if ref is not None:
+        values = list(reference.values())
+        if not values or not all(math.isfinite(x) for x in values):
+            raise ValueError(f"the target's group {ref['label']!r} has no counted run, or one that diverged")
+        target = mean_std(values)[0]
+    rows = []
+    for g in groups:
+        d = decide(finals_of(g), target, reference if g is not ref else None)
+        runs = [summarize_run(log) for log in g["logs"]]
+        counted = [r["step_ms"] for r in runs if r["excluded"] is None and r["step_ms"]]
+        rows.append(dict(label=g["label"], series=g["series_label"], mode=g["mode"], steps=g["steps"],
+                         is_target=g is ref, decision=None if g is ref else d, n=d["n"], mean=d["mean"], sd=d["sd"],
+                         step_ms=_median(counted), runs=runs, n_excluded=sum(r["excluded"] is not None for r in runs),
+                         crossing=curve_crossing(g, target)))
+    series = []
+    for name in dict.fromkeys(g["series_label"] for g in groups):
+        members = sorted((g for g in groups if g["series_label"] == name), key=lambda g: g["steps"])
+        mrows = [r for r in rows if r["series"] == name]
+        passing = [r["steps"] for r in mrows if r["decision"] and r["decision"]["passed"]]
+        rule = min(passing) if passing else None
+        failing = [r["steps"] for r in mrows if r["decision"] and not r["decision"]["passed"]
+                   and (rule is None or r["steps"] < rule)]
+        if ref is not None and name == ref["series_label"]:
+            rule, failing = ref["steps"], []
+        if len(members) > 1:
+            crossing = {**schedule_crossing(members, target), "kind": "schedules"}
+        else:
+            crossing = {**mrows[0]["crossing"], "kind": "curve"}
+        series.append(dict(name=name, mode=members[0]["mode"], schedules=[g["steps"] for g in members],
+                           rule_steps=rule, longest_failing=max(failing) if failing else None, crossing=crossing,
+                           step_ms=_median([r["step_ms"] for r in mrows if r["step_ms"]])))
+    result = dict(target=target, target_from=ref["label"] if ref else None, n_target=len(reference or {}),
+                  test="Welch" if ref else "one-sample", p_pass=P_PASS, groups=rows, series=series, legend=legend,
+                  warnings=warnings, step_times=None, reference=None)
+    time_to_target(result, ref, step_times)
     return result
+
+
+def _median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def time_to_target(result, ref, step_times):
+    """Adds each series' time to target over the reference's, reading for reading (the rule's over the rule's,
+    the crossing over the crossing): steps x step time, the step times from the file (ratios to vanilla's,
+    measured in one process) or from the logs' clocks. The reference is the target's group, whose both readings
+    are its own length (it defines the target), or, with a fixed target, vanilla's series."""
+    series = result["series"]
+    if ref is not None:
+        base = next(s for s in series if s["name"] == ref["series_label"])
+        base_rule = base_crossing = ref["steps"]
+    else:
+        base = next((s for s in series if s["mode"] == "vanilla"
+                     and (s["rule_steps"] or s["crossing"]["steps"] is not None)), None)
+        base_rule, base_crossing = (base["rule_steps"], base["crossing"]["steps"]) if base else (None, None)
+    result["step_times"] = "file" if step_times else "logs"
+    if base is None:
+        return
+    result["reference"] = dict(series=base["name"], rule_steps=base_rule, crossing_steps=base_crossing)
+    for s in series:
+        if step_times:
+            ratio, quartiles = step_times.get(s["mode"], (None, None)) if base["mode"] == "vanilla" else (None, None)
+        else:
+            ratio = s["step_ms"] / base["step_ms"] if s["step_ms"] and base["step_ms"] else None
+            quartiles = None
+        s.update(step_ratio=ratio, step_ratio_quartiles=quartiles, time_ratio_rule=None, time_ratio_bracket=None,
+                 time_ratio_crossing=None)
+        if ratio is None:
+            continue
+        if s["rule_steps"] and base_rule:
+            s["time_ratio_rule"] = s["rule_steps"] * ratio / base_rule
+            if quartiles and s is not base:
+                s["time_ratio_bracket"] = [(s["longest_failing"] or 0) * quartiles[0] / base_rule,
+                                           s["rule_steps"] * quartiles[1] / base_rule]
+        if s["crossing"]["steps"] is not None and base_crossing:
+            s["time_ratio_crossing"] = s["crossing"]["steps"] * ratio / base_crossing
 
 
 # ---------------------------------------------------------------------------
@@ -543,23 +746,14 @@ def compare(logs, target=DEFAULT_TARGET, group_by=None, ignore=(), target_from=N
 # ---------------------------------------------------------------------------
 
 def format_table(headers, rows, align=None):
-    """Fixed-width text table; ``align`` is a string of 'l'/'r' per column."""
-    rows = [["" if c is None else str(c) for c in r] for r in rows]
-    widths = [len(h) for h in headers]
-    for r in rows:
-        for i, c in enumerate(r):
-            widths[i] = max(widths[i], len(c))
-    align = align or "l" + "r" * (len(headers) - 1)
+    cols = list(zip(*([headers] + rows))) if rows else [[h] for h in headers]
+    widths = [max(len(str(x)) for x in col) for col in cols]
+    align = align or ("l" + "r" * (len(headers) - 1))
 
-    def fmt(cells):
-        out = []
-        for i, c in enumerate(cells):
-            out.append(c.ljust(widths[i]) if align[i] == "l" else c.rjust(widths[i]))
-        return "  ".join(out).rstrip()
-
-    lines = [fmt(headers), "  ".join("-" * w for w in widths)]
-    lines += [fmt(r) for r in rows]
-    return "\n".join(lines)
+    def fmt(row):
+        return "  ".join(str(x).ljust(w) if a == "l" else str(x).rjust(w)
+                         for x, w, a in zip(row, widths, align)).rstrip()
+    return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
 def _f(x, spec=".4f"):
@@ -570,94 +764,101 @@ def _f(x, spec=".4f"):
     return format(x, spec)
 
 
-def _pm(d, spec=".4f", scale=1.0):
-    m, s = d["mean"], d["std"]
-    if m is None:
+def _p(test):
+    if test is None:
         return "-"
-    out = _f(m * scale, spec)
-    if s is not None:
-        out += " ± " + _f(s * scale, spec)
-    return out
-
-
-def _p_str(tt):
-    if tt is None:
-        return "needs n>=2"
-    if tt["p"] is None:
+    if test["p"] is None:
         return "no spread"
-    p = tt["p"]
-    mark = " *" if p < 0.01 else ""
-    return (f"{p:.2e}" if p < 1e-3 else f"{p:.4f}") + mark
+    return f"{test['p']:.1e}" if test["p"] < 1e-3 else f"{test['p']:.3f}"
 
 
-def format_report(result):
+def _wrap(text, width=100, indent=""):
+    import textwrap
+    return textwrap.wrap(text, width, subsequent_indent=indent) or [""]
+
+
+def format_report(result, show_runs=None):
+    out = []
     target = result["target"]
-    out = [f"target val loss: {target:.4f} ({result['target_source']})", ""]
-    out.append("Runs (first eval = first val evaluation with val_loss <= target;"
-               " interp = linear interpolation between the two evaluations around the crossing)")
+    if result["target_from"]:
+        head = (f"target {target:.4f}: the mean final val loss of {result['target_from']!r} "
+                f"({result['n_target']} runs); it is an estimate, so Welch's one-sided two-sample t-test against "
+                f"those runs decides (p < {result['p_pass']}); the one-sample test and the test paired by seed "
+                "are beside it")
+    else:
+        head = (f"target {target:.4f}, a fixed number: the one-sided one-sample t-test decides "
+                f"(mean final val loss below the target, p < {result['p_pass']}: the speedrun's record rule)")
+    out += _wrap(head)
+    for w in result["warnings"]:
+        out += _wrap("flagged: " + w, indent="  ")
+    out += ["", "Schedules: final val loss, mean ± sd over the runs (seeds and data orders pooled)"]
+    welch = result["test"] == "Welch"
     rows = []
     for g in result["groups"]:
-        for r in g["runs"]:
-            c = r["crossing"]
-            rows.append([
-                g["label"], r["run_id"][:12], _fmt_value(r["seed"]),
-                _f(r["final_val_loss"]), f"{r['final_step']}/{r['num_iterations']}",
-                _f(r["train_time_ms"] / 1000.0, ".1f"),
-                c["step"] if c else "not reached",
-                _f(c["time_ms"] / 1000.0, ".1f") if c else "-",
-                _f(c["interp_step"], ".1f") if c else "-",
-                _f(c["interp_time_ms"] / 1000.0, ".1f") if c else "-",
-                r["excluded"] or r["stopped"] or "",
-            ])
-    out.append(format_table(
-        ["group", "run_id", "seed", "final_val", "step", "time_s",
-         "first_eval_step", "first_eval_s", "interp_step", "interp_s", "stopped"],
-        rows, align="lllrrrrrrrl"))
-    out.append("")
-    out.append("Groups (mean ± sample std; steps/time to target over runs that reached it;"
-               " p = one-sided t-test that mean final val < target, * = p < 0.01)")
-    has_ratio = result["reference"] is not None
+        d = g["decision"]
+        n = f"{g['n']}" + (f" +{g['n_excluded']}x" if g["n_excluded"] else "")
+        loss = _f(g["mean"]) + (f" ± {g['sd']:.4f}" if g["sd"] is not None else "")
+        if d is None:
+            rows.append([g["label"], n, loss, "(the target)", "", "", ""] if welch else
+                        [g["label"], n, loss, "(the target)", ""])
+            continue
+        verdict = "yes" if d["passed"] else ("diverged" if d["n_nonfinite"] else "no")
+        rows.append([g["label"], n, loss, _p(d["welch"]), _p(d["one_sample"]), _p(d["paired"]), verdict] if welch
+                    else [g["label"], n, loss, _p(d["one_sample"]), verdict])
+    headers = (["group", "n", "final val loss", "p Welch", "p 1-sample", "p paired", "passes"] if welch
+               else ["group", "n", "final val loss", "p 1-sample", "passes"])
+    out.append(format_table(headers, rows, "lrrrrrl" if welch else "lrrrl"))
+    if any(g["n_excluded"] for g in result["groups"]):
+        out.append("+Nx: runs listed below and not counted")
+    ref = result["reference"]
+    source = ("--step_times (ratios to vanilla's, measured in one process)" if result["step_times"] == "file"
+              else "the logs' clocks (train time / steps, median over runs; noisy on a shared machine)")
+    out += [""] + _wrap(f"Steps and time to target. rule: the shortest schedule that passes (the longest that "
+                        f"fails below it); crossing: where the mean final loss meets the target between the "
+                        f"schedules run (± sd over seeds), or, for one schedule, where its mean validation curve "
+                        f"does (curve). time = steps x step time over "
+                        + (f"{ref['series']}'s" if ref else "the reference's") + f"; step times: {source}.")
     rows = []
-    for g in result["groups"]:
-        row = [
-            g["label"], str(g["n"]) + (f" ({g['n_nonfinite']} nan)" if g["n_nonfinite"] else "")
-            + (f" (+{g['n_excluded']} excluded)" if g["n_excluded"] else ""),
-            _pm(g["final_val_loss"]), _p_str(g["ttest"]),
-            f"{g['n_reached']}/{g['n']}",
-            _pm(g["steps_to_target"], ".1f"),
-            _pm(g["interp_steps_to_target"], ".1f"),
-            _pm(g["interp_time_ms_to_target"], ".1f", 1e-3),
-        ]
-        if has_ratio:
-            cr = g.get("convergence_ratio")
-            if cr is None:
-                row += ["(reference)", ""]
-            else:
-                row += [_f(cr["steps"], ".3f"), _f(cr["time"], ".3f")]
-        rows.append(row)
-    headers = ["group", "n", "final_val", "p", "reached",
-               "first_eval_steps", "interp_steps", "interp_time_s"]
-    if has_ratio:
-        headers += ["ratio_steps", "ratio_time"]
-    out.append(format_table(headers, rows))
-    if has_ratio:
-        ref = result["reference"]
-        out.append("")
-        out.append(
-            f"convergence ratio = mean interpolated steps (time) to reach {target:.4f} / "
-            f"reference {ref['label']!r} mean final step {_f(ref['mean_final_step'], '.1f')} "
-            f"(time {_f(ref['mean_final_time_ms'] / 1000.0, '.1f')} s); < 1 is faster")
-    if result.get("race") and result["race"]["steps"]:
-        rc = result["race"]
-        labels = list(rc["curves"])
-        out += ["", "Val loss at equal steps (mean over each group's counted runs)"]
-        out.append(format_table(["step"] + labels, [[s] + [_f(rc["curves"][k][s]) for k in labels] for s in rc["steps"]],
-                                align="r" * (len(labels) + 1)))
-        out += ["", "Steps to reach the other's final val loss (first crossing / staying below from then on)"]
-        for pr in rc["pairs"]:
-            out.append(f"  {pr['group']} to {pr['other']}'s {pr['other_final']:.4f} (its step {pr['other_final_step']}): "
-                       f"{pr['first_crossing'] if pr['first_crossing'] is not None else 'not reached'} / "
-                       f"{pr['stays_below'] if pr['stays_below'] is not None else 'not reached'}")
+    for s in result["series"]:
+        c = s["crossing"]
+        if ref and s["name"] == ref["series"] and result["target_from"]:
+            rows.append([s["name"], f"{s['rule_steps']} (defines it)", "", _f(s.get("step_ratio"), ".3f"), "1", "1"])
+            continue
+        rule = "not reached" if s["rule_steps"] is None else str(s["rule_steps"])
+        if s["rule_steps"] is not None and s["longest_failing"]:
+            rule += f" ({s['longest_failing']} fails)"
+        if c["steps"] is None:
+            cross = "not reached"
+        elif c.get("below_shortest"):
+            cross = f"<= {c['steps']}"
+        else:
+            cross = f"{c['steps']:.0f}" + (f" ± {c['sd']:.0f}" if c["sd"] is not None else "") + (
+                " (curve)" if c["kind"] == "curve" else "")
+        t_rule = _f(s.get("time_ratio_rule"), ".3f")
+        if s.get("time_ratio_bracket"):
+            t_rule += " [{:.3f}, {:.3f}]".format(*s["time_ratio_bracket"])
+        rows.append([s["name"], rule, cross, _f(s.get("step_ratio"), ".3f"), t_rule,
+                     _f(s.get("time_ratio_crossing"), ".3f")])
+    out.append(format_table(["series", "steps: rule", "steps: crossing", "step time", "time: rule",
+                             "time: crossing"], rows, "lrrrrr"))
+    if result["step_times"] == "file" and any(s.get("time_ratio_bracket") for s in result["series"]):
+        out.append("[ ]: the longest failing schedule and the passing one, times the step ratio's quartiles")
+    for name, tag in result["legend"].items():
+        out += _wrap(f"{name}: {tag}", indent="    ")
+    runs = [(g["label"], r) for g in result["groups"] for r in g["runs"]]
+    listed = runs if (show_runs or (show_runs is None and len(runs) <= 12)) else [x for x in runs if x[1]["excluded"]]
+    if listed:
+        out += ["", "Runs" + ("" if len(listed) == len(runs) else f" not counted ({len(runs)} runs in all; "
+                                                                    "--runs lists each)")]
+        rows = [[r["run_id"], label, _fmt_value(r["seed"]), _fmt_value(r["data_seed"]), _f(r["final_val_loss"]),
+                 f"{r['final_step']}/{r['num_iterations']}", _f(r["train_time_ms"] / 1000, ".0f")]
+                for label, r in listed]
+        out.append(format_table(["run", "group", "seed", "data", "final val", "step", "time_s"], rows, "llrrrrr"))
+        for label, r in listed:
+            if r["excluded"]:
+                out += _wrap(f"  {r['run_id']} not counted: {r['excluded']}", indent="    ")
+    elif runs:
+        out += ["", f"{len(runs)} runs, all counted (--runs lists each)"]
     return "\n".join(out)
 
 
@@ -665,15 +866,19 @@ def _json_clean(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _json_clean(v) for k, v in x.items()}
+        return {str(k): _json_clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_json_clean(v) for v in x]
     return x
 
 
 def to_json(result):
-    return json.dumps(_json_clean(result), indent=2, sort_keys=False)
+    return json.dumps(_json_clean(result), indent=1)
 
+
+# ---------------------------------------------------------------------------
+# Plot
+# ---------------------------------------------------------------------------
 
 PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif", "tiff", "webp")
 
@@ -688,50 +893,57 @@ def _import_pyplot():
     return plt
 
 
-def plot_groups(groups, target, out_path):
-    """Val loss vs step and vs train time, one color per group, one thin line
-    per run, dashed target line.  ``groups`` as returned by group_runs()."""
+def plot_groups(logs, result, out_path, title=None):
+    """Validation loss against steps and against train time: one colour per series, a thin line per counted run,
+    the target dashed, the legend outside the axes."""
     plt = _import_pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
-    ys = []
-    for gi, g in enumerate(groups):
-        color = colors[gi % len(colors)]
-        for ri, log in enumerate(g["logs"]):
+    names = [s["name"] for s in result["series"]]
+    by_label = {g["label"]: g["series"] for g in result["groups"]}
+    groups = group_runs(logs)
+    ys, drawn = [], set()
+    for g in groups:
+        name = by_label.get(g["label"], g["series_label"])
+        color = colors[names.index(name) % len(colors)] if name in names else "grey"
+        for log in g["logs"]:
             pts = [v for v in log["val"] if math.isfinite(v["loss"])]
-            if not pts:
+            if log.get("excluded") or not pts:
                 continue
-            steps = [v["step"] for v in pts]
-            times = [v["time_ms"] / 1000.0 for v in pts]
-            losses = [v["loss"] for v in pts]
             ys += [v["loss"] for v in pts if v["step"] > 0]
-            label = f"{g['label']} (n={len(g['logs'])})" if ri == 0 else None
-            axes[0].plot(steps, losses, color=color, lw=0.9, alpha=0.75, label=label)
-            axes[1].plot(times, losses, color=color, lw=0.9, alpha=0.75)
-    for ax, xl in zip(axes, ["step", "train time (s)"]):
-        ax.axhline(target, color="k", ls="--", lw=1.0,
-                   label=f"target {target:.4f}" if ax is axes[0] else None)
-        ax.set_xlabel(xl)
+            label = None if name in drawn else name
+            drawn.add(name)
+            axes[0].plot([v["step"] for v in pts], [v["loss"] for v in pts], color=color, lw=0.8, alpha=0.7,
+                         label=label)
+            axes[1].plot([v["time_ms"] / 1000 for v in pts], [v["loss"] for v in pts], color=color, lw=0.8,
+                         alpha=0.7)
+    target = result["target"]
+    for ax, xlabel in zip(axes, ["step", "train time (s)"]):
+        ax.axhline(target, color="k", ls="--", lw=1.0, label=f"target {target:.4f}" if ax is axes[0] else None)
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("val loss")
         ax.grid(alpha=0.3)
-        if ys:
-            lo = min(min(ys), target)
-            hi = max(max(ys), target)
-            pad = 0.05 * (hi - lo) or 0.1
+        if ys:  # the interesting part: from the best loss to a little above the target's neighbourhood
+            lo, hi = min(min(ys), target), max(target, sorted(ys)[int(0.8 * (len(ys) - 1))])
+            pad = 0.08 * (hi - lo) or 0.1
             ax.set_ylim(lo - pad, hi + pad)
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
+    fig.savefig(out_path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out_path
 
 
 # ---------------------------------------------------------------------------
-# CLI
+# Command line
 # ---------------------------------------------------------------------------
 
 def expand_paths(patterns):
-    """Expand files, directories (their *.txt) and globs; sorted, de-duplicated."""
+    """Expand files, directories (their *.txt) and globs; sorted, de-duplicated (a file reached twice, by a link or
+    two patterns, counts once)."""
     out, seen = [], set()
     for p in patterns:
         if os.path.isdir(p):
@@ -739,9 +951,11 @@ def expand_paths(patterns):
         elif os.path.isfile(p):
             found = [p]
         else:
-            found = sorted(f for f in glob.glob(p) if os.path.isfile(f))
+            found = sorted(glob.glob(p))
         for f in found:
-            key = os.path.abspath(f)
+            if not os.path.isfile(f):
+                continue
+            key = os.path.realpath(f)
             if key not in seen:
                 seen.add(key)
                 out.append(f)
@@ -754,22 +968,23 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser():
-    ap = OneLineParser(
-        prog="compare.py",
-        description="Compare training runs from their log files (grouped by configuration).")
-    ap.add_argument("logs", nargs="+", help="log files, directories or glob patterns")
-    ap.add_argument("--target", type=float, default=DEFAULT_TARGET,
-                    help=f"target val loss (default {DEFAULT_TARGET})")
-    ap.add_argument("--target_from", default=None,
-                    help="use the mean final val loss of the group matching this label "
-                         "substring or key=value as the target; report convergence ratios")
-    ap.add_argument("--group_by", default=None,
-                    help="comma list of hyperparameter keys to group by (default: all but "
-                         "seed/run_id)")
-    ap.add_argument("--ignore", default=None,
-                    help="comma list of extra hyperparameter keys to ignore when grouping")
-    ap.add_argument("--plot", default=None, metavar="OUT.png",
-                    help="write val loss vs step / vs time plot")
+    ap = OneLineParser(prog="compare.py", description="The judge: steps and time to a target validation loss, "
+                       "per mode, from training logs (the module's docstring has every definition).")
+    ap.add_argument("logs", nargs="+", help="log files, folders (their *.txt) or glob patterns")
+    ap.add_argument("--target", type=float, default=None,
+                    help=f"a fixed target val loss, judged by the one-sample t-test (default {DEFAULT_TARGET})")
+    ap.add_argument("--target_from", default=None, metavar="GROUP",
+                    help="the target is this group's mean final val loss, judged by Welch's test against its "
+                         "runs: a mode ('vanilla'), a label or part of one, and key=value settings "
+                         "('vanilla num_iterations=3237')")
+    ap.add_argument("--step_times", default=None, metavar="FILE",
+                    help="step times measured in one process (experiments/cp_cost.py step_time's output); "
+                         "without it, the logs' own clocks")
+    ap.add_argument("--ignore", default=None, help="comma list of more settings to pool over, like seeds")
+    ap.add_argument("--strict", action="store_true",
+                    help="refuse, not flag, groups mixing code versions, training data or a repeated seed")
+    ap.add_argument("--runs", action="store_true", help="list every run (default: up to 12, and those not counted)")
+    ap.add_argument("--plot", default=None, metavar="OUT.png", help="write val loss vs step and vs time")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     return ap
 
@@ -779,13 +994,11 @@ def _error(msg, code=2):
     return code
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if not math.isfinite(args.target):
-        return _error(f"--target must be a finite loss, not {args.target}")
-    paths = expand_paths(args.logs)
+def load(patterns, warn=None):
+    """Parsed logs of the files the patterns name; (logs, skipped messages). ValueError when none is usable."""
+    paths = expand_paths(patterns)
     if not paths:
-        return _error("no log files matched: " + " ".join(args.logs))
+        raise ValueError("no log files matched: " + " ".join(patterns))
     logs, bad = [], []
     for p in paths:
         try:
@@ -793,10 +1006,17 @@ def main(argv=None):
         except LogError as e:
             bad.append(str(e))
     if not logs:
-        return _error(bad[0] if len(bad) == 1 else
-                      f"no usable logs ({len(bad)} files; first: {bad[0]})")
-    for msg in bad:
-        print(f"compare.py: warning: skipping {msg}", file=sys.stderr)
+        raise ValueError(bad[0] if len(bad) == 1 else f"no usable logs ({len(bad)} files; first: {bad[0]})")
+    return logs, bad
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.target is not None and args.target_from:
+        return _error("give --target or --target_from, not both")
+    target = DEFAULT_TARGET if args.target is None else args.target
+    if not math.isfinite(target):
+        return _error(f"--target must be a finite loss, not {target}")
     if args.plot:
         try:
             _import_pyplot()
@@ -807,22 +1027,24 @@ def main(argv=None):
         if os.path.splitext(args.plot)[1][1:].lower() not in PLOT_FORMATS:
             return _error(f"--plot {args.plot}: not an image format matplotlib writes ({', '.join(PLOT_FORMATS)})")
     try:
-        result = compare(logs, target=args.target, group_by=_split_keys(args.group_by),
-                         ignore=_split_keys(args.ignore), target_from=args.target_from)
+        logs, bad = load(args.logs)
+        step_times = read_step_times(args.step_times) if args.step_times else None
+        result = judge(logs, target=target, target_from=args.target_from, step_times=step_times,
+                       ignore=[k.strip() for k in (args.ignore or "").split(",") if k.strip()], strict=args.strict)
     except ValueError as e:
         return _error(str(e))
+    for msg in bad:
+        print(f"compare.py: warning: skipping {msg}", file=sys.stderr)
     if args.plot:
-        groups = group_runs(logs, group_by=_split_keys(args.group_by),
-                            ignore=_split_keys(args.ignore))
         try:
-            plot_groups(groups, result["target"], args.plot)
+            plot_groups(logs, result, args.plot)
         except OSError as e:
             return _error(f"cannot write the plot {args.plot}: {e.strerror or e}", code=1)
         result["plot"] = args.plot
     if args.json:
         print(to_json(result))
     else:
-        print(format_report(result))
+        print(format_report(result, show_runs=True if args.runs else None))
         if args.plot:
             print(f"\nplot written to {args.plot}")
     return 0
