@@ -570,3 +570,22 @@ def test_speedrun_heads_gap_is_per_token_paired_by_seed_and_never_mixes_slices(t
     a = np.tile(rng.normal(0, 30, 40), (5, 1))  # the same per-document differences in every seed
     point, (lo, hi) = sr.bootstrap_gap(a, np.zeros_like(a), targets, draws=2000)
     assert hi - lo > 0.02 and lo < point < hi
+
+
+def test_readmes_speedrun_row_is_the_judges_output_on_the_records():
+    """Every figure of README's CPU speedrun row comes from the command README names (the judge on the records'
+    logs), through speedrun.readme_row; no corpus is needed to read them."""
+    sr = _load("experiments/speedrun.py")
+    readme = (Path(ROOT) / "README.md").read_text()
+    command = ("python tools/compare.py 'records/cpu_speedrun/logs/*.txt' --target_from 'vanilla lr_muon=0.02' \\\n"
+               "    --step_times records/cpu_speedrun/step_time.txt --strict")
+    assert command in readme
+    n = sr.matched_steps()[0]
+    judgement, _ = sr.judged("records/cpu_speedrun", n, sr.read_target("records/cpu_speedrun"))
+    row = sr.readme_row(judgement, n)
+    assert f"| {row} |" in readme
+    logs, _ = compare.load(["records/cpu_speedrun/logs/*.txt"] if os.getcwd() == ROOT else
+                           [os.path.join(ROOT, "records/cpu_speedrun/logs/*.txt")])
+    direct = compare.judge(logs, target_from="vanilla lr_muon=0.02", strict=True,
+                           step_times=compare.read_step_times(os.path.join(ROOT, "records/cpu_speedrun/step_time.txt")))
+    assert direct["target"] == judgement["target"] and direct["series"] == judgement["series"]

@@ -332,6 +332,41 @@ def judged(out, n, target):
     return result, skipped
 
 
+def _p(p):
+    return "-" if p is None else f"{p:.0e}" if p < 1e-3 else f"{p:.2g}"
+
+
+def readme_row(judgement, n):
+    """README's CPU speedrun row's three cells (vanilla | the sentinel | CPLM), every figure from the judge's output
+    (test_compare.py holds README to it)."""
+    lr_of = {m: race.CPU_LRS["lr_muon"] * float(SCALES[m]) for m in SCALES}
+    series = {m: next((s for s in judgement["series"] if s["mode"] == JUDGE_MODES[m]
+                       and s["settings"].get("lr_muon") == float(f"{lr_of[m]:g}")), None) for m in SCALES}
+    groups = {(g["series"], g["steps"]): g for g in judgement["groups"]}
+    target = groups[(series["vanilla"]["name"], n)]
+    cells = [f"{n} steps, 1x: the target, {judgement['target']:.3f} ± {target['sd']:.3f} (n = {target['n']})"]
+    for mode in ("sentinel", "cplm"):
+        s = series[mode]
+        if s is None:
+            cells.append("not run")
+            continue
+        c = s["crossing"]
+        cross = (f"crossing {c['steps']:.0f} ± {c['sd']:.0f} steps: {s['time_ratio_crossing']:.2f}x"
+                 if c["steps"] is not None and c.get("sd") is not None and s.get("time_ratio_crossing") else
+                 "crossing: -")
+        if s["rule_steps"] is None:
+            cells.append(f"rule: not met up to the longest schedule run; {cross}")
+            continue
+        g = groups[(s["name"], s["rule_steps"])]
+        d = g["decision"]
+        lo, hi = s["time_ratio_bracket"] or (None, None)
+        cells.append(f"rule: {s['rule_steps']} steps ({s['longest_failing']} fails; {g['mean']:.3f} ± {g['sd']:.3f}, "
+                     f"Welch p = {_p(d['p'])}, one-sample {_p(d['one_sample'] and d['one_sample']['p'])}): "
+                     f"**{s['time_ratio_rule']:.2f}x**" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else "")
+                     + f"; {cross}")
+    return " | ".join(cells)
+
+
 def report(args, n):
     """OUT/speedrun.md and OUT/speedrun.json: the judge's tables on the study's logs (every figure: tools/compare.py),
     the search's state, and the two heads at equal schedules on the test slice."""
@@ -353,6 +388,7 @@ def report(args, n):
                   "(`python tools/compare.py` on the logs, the target from vanilla's group at N, "
                   "`--step_times step_time.txt --strict`):", "", "```", compare.format_report(judgement), "```", ""]
         lines += [f"- skipped (not a log yet): {x}" for x in skipped]
+        lines += ["README's row (vanilla | pointer sentinel | CPLM):", "", "| " + readme_row(judgement, n) + " |", ""]
         for mode in ("cplm", "sentinel"):
             probes, nxt, steps, lo = search(args.out, mode, n, target)
             result.setdefault("search", {})[mode] = {"next": nxt, "steps_to_target": steps, "longest_failing": lo}

@@ -669,7 +669,8 @@ def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore
         d = decide(finals_of(g), target, reference if g is not ref else None)
         runs = [summarize_run(log) for log in g["logs"]]
         counted = [r["step_ms"] for r in runs if r["excluded"] is None and r["step_ms"]]
-        rows.append(dict(label=g["label"], series=g["series_label"], mode=g["mode"], steps=g["steps"],
+        rows.append(dict(label=g["label"], series=g["series_label"], mode=g["mode"], steps=g["steps"], finals=[
+                             {"seed": k[0], "data_seed": k[1], "loss": x} for k, x in finals_of(g).items()],
                          is_target=g is ref, decision=None if g is ref else d, n=d["n"], mean=d["mean"], sd=d["sd"],
                          step_ms=_median(counted), runs=runs, n_excluded=sum(r["excluded"] is not None for r in runs),
                          crossing=curve_crossing(g, target)))
@@ -687,7 +688,8 @@ def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore
             crossing = {**schedule_crossing(members, target), "kind": "schedules"}
         else:
             crossing = {**mrows[0]["crossing"], "kind": "curve"}
-        series.append(dict(name=name, mode=members[0]["mode"], schedules=[g["steps"] for g in members],
+        series.append(dict(name=name, mode=members[0]["mode"], settings=members[0]["series"],
+                           schedules=[g["steps"] for g in members],
                            rule_steps=rule, longest_failing=max(failing) if failing else None, crossing=crossing,
                            step_ms=_median([r["step_ms"] for r in mrows if r["step_ms"]])))
     result = dict(target=target, target_from=ref["label"] if ref else None, n_target=len(reference or {}),
@@ -917,6 +919,8 @@ def plot_groups(logs, result, out_path, title=None):
                          label=label)
             axes[1].plot([v["time_ms"] / 1000 for v in pts], [v["loss"] for v in pts], color=color, lw=0.8,
                          alpha=0.7)
+            for ax, x in zip(axes, (pts[-1]["step"], pts[-1]["time_ms"] / 1000)):  # the final: what is judged
+                ax.plot([x], [pts[-1]["loss"]], "o", color=color, ms=2.5)
     target = result["target"]
     for ax, xlabel in zip(axes, ["step", "train time (s)"]):
         ax.axhline(target, color="k", ls="--", lw=1.0, label=f"target {target:.4f}" if ax is axes[0] else None)
