@@ -377,13 +377,3 @@ def environment_lines(device, world_size, a=None):
         except (OSError, subprocess.SubprocessError):
             pass
     return lines
-
-
-def take_gpu_turn():
-    """tools/first_call.py runs jobs that compile side by side and time in turn: with CPLM_GPU_TURN set,
-    waits for that file lock and returns it held (released when closed or the process ends); else None."""
-    if not os.environ.get("CPLM_GPU_TURN"):
-        return None
-    turn = open(os.environ["CPLM_GPU_TURN"], "a")
-    fcntl.flock(turn, fcntl.LOCK_EX)
-    return turn

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 import run_files
 from run_files import (DataError, Logger, UsageError, check_checkpoint_fits, check_log_target, checkpoint_step,
                        checkpoints_in, environment_lines, read_checkpoint, release_run_lock,
-                       remove_dead_writers_files, restore_checkpoint, save_checkpoint, take_gpu_turn)
+                       remove_dead_writers_files, restore_checkpoint, save_checkpoint)
 
 # -----------------------------------------------------------------------------------------------------
 # Config
@@ -1277,7 +1277,9 @@ def _terminate(signum, frame):  # a scheduler's SIGTERM ends the run through the
     raise SystemExit(f"stopped by signal {signal.Signals(signum).name}")
 
 
-def main(argv=None):
+def main(argv=None, before_clock=None):
+    """before_clock: called once the untimed warm-up is done, just before the clock starts (a GPU check's runner
+    takes its turn on the GPU there)."""
     a = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     checkpoint, changed = None, []
@@ -1331,7 +1333,7 @@ def main(argv=None):
                              "or choose another --run_id")
         log = Logger(a, rank == 0, sources=(__file__, run_files.__file__))
         try:
-            code = train(a, log, rank, world_size, device, checkpoint, changed)
+            code = train(a, log, rank, world_size, device, checkpoint, changed, before_clock)
             if not log.started:  # stopped at its first validation (a NaN): its log stays only where none was
                 log.undo(keep_if_new=True)
             if distributed:  # no rank tears its connections down while another still uses them (gloo aborted
@@ -1357,7 +1359,7 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, changed=()):
+def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, changed=(), before_clock=None):
     for line in environment_lines(device, world_size, a if rank == 0 else None):
         log(line, console=False)
     log(f"run_id: {a.run_id}")
@@ -1480,10 +1482,10 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    waited = time.perf_counter()
-    gpu_turn = take_gpu_turn()  # released after the final line
-    if gpu_turn is not None:
-        log(f"gpu turn: waited {time.perf_counter() - waited:.1f}s")
+    if before_clock is not None:
+        waited = time.perf_counter()
+        before_clock()
+        log(f"before the clock: waited {time.perf_counter() - waited:.1f}s")
     peak_train = peak_eval = 0  # bytes: training and validation apart (validation rows can be much longer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -1554,8 +1556,6 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
         log(f"peak memory (max RSS of rank 0): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
     val = f"val_loss:{result['val_loss']:.4f} " if result else ""  # --val_tokens 0: no val loss to give
     log(f"final {val}train_time:{training_time_ms:.0f}ms steps:{step}")
-    if gpu_turn is not None:
-        gpu_turn.close()
     return 0
 
 
