@@ -9,8 +9,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from train_gpt_cplm import (ATTN_SCALE, BLOCK, CausalSelfAttention, DataError, EagerCPUHeadLoss, GPT, GPTConfig,
-                            Hyperparameters, Rotary, norm, read_checkpoint)
+from train_gpt_cplm import (ATTN_SCALE, BLOCK, CausalSelfAttention, DataError, GPT, GPTConfig, Hyperparameters,
+                            Rotary, norm, read_checkpoint)
+from cpu_head import EagerCPUHeadLoss
 
 
 # -----------------------------------------------------------------------------------------------------

@@ -11,7 +11,40 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # before anything is installed or run
+    cat <<'HELP'
+usage: bash run.sh [FLAGS...]      train: what, depends on the machine (FLAGS go to train_gpt_cplm.py)
+       bash run.sh test [ARGS...]  the test suite, CPU only (ARGS go to pytest)
+       bash run.sh -h | --help     this text
+
+With GPUs: downloads the FineWeb shards that are missing (data/cached_fineweb10B.py 10), then one torchrun
+  of train_gpt_cplm.py on every GPU with the speedrun preset: vanilla, the 2025-01-26 record. For CPLM:
+  bash run.sh --cplm 1; then judge the two logs: python tools/compare.py 'logs/*.txt' --target 3.28
+Without a GPU: the CPU race. Tokenizes the Python standard library's source (offline, GPT-2 tokens), trains
+  the cpu preset (4 x 128, 200 steps) as vanilla, then as CPLM, same seed, and runs tools/compare.py on the
+  two logs (a table and logs/cpu_race_<time>.png): about 12 minutes on 2 cores. It sets --preset, --cplm,
+  --run_id, --log_dir, --save_checkpoint, --resume and --overwrite itself; other flags pass on.
+First installs what is missing: torch only where none is installed (the CPU build without a GPU; TORCH_PIP
+  chooses another), numpy, tiktoken, huggingface_hub, and matplotlib (the race) or pytest (the tests).
+HELP
+    exit 0
+fi
+
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+# the CPU race's own flags (it sets them itself; passed on, they overrode it: CPLM trained twice, compare found no
+# logs after both runs, or one checkpoint was resumed into both runs' logs): refused before anything is installed
+refuse_race_flags() {
+    for arg in "$@"; do
+        case "$arg" in
+            --preset|--preset=*|--cplm|--cplm=*|--run_id|--run_id=*|--log_dir|--log_dir=*|--save_checkpoint\
+            |--save_checkpoint=*|--resume|--resume=*|--overwrite|--overwrite=*)
+                echo "run.sh: the CPU race sets ${arg%%=*} itself; to choose it, run train_gpt_cplm.py directly" >&2
+                exit 2;;
+        esac
+    done
+}
+if [ "${1:-}" != test ] && ! has_gpu; then refuse_race_flags "$@"; fi
 
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     if [ -n "${TORCH_PIP:-}" ]; then
@@ -43,7 +76,8 @@ fi
 
 if [ "${1:-}" = test ]; then  # -rs: each skipped test says why, and what enables it
     shift
-    exec "$PYTHON" -m pytest -q -rs test_cplm.py test_compare.py test_inference.py test_mechanism.py test_baselines.py test_gpu_preflight.py \
+    exec "$PYTHON" -m pytest -q -rs test_cplm.py test_cli.py test_run_files.py test_data.py test_experiments.py \
+        test_compare.py test_inference.py test_mechanism.py test_baselines.py test_gpu_preflight.py \
         test_gpu_kernels.py test_gpu_interpreter.py "$@"
 fi
 
@@ -52,17 +86,9 @@ if [ "$gpus" -gt 0 ]; then  # (a CPU build of torch on a GPU machine runs the ra
     exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$gpus" train_gpt_cplm.py "$@"
 fi
 
-# no GPU: the race on CPU. It names, places and sets the mode of both runs itself, and starts both afresh: refuse
-# those flags before anything trains (passed on, they overrode it: CPLM trained twice, compare found no logs after
-# both runs, or one checkpoint was resumed into both runs' logs)
-for arg in "$@"; do
-    case "$arg" in
-        --preset|--preset=*|--cplm|--cplm=*|--run_id|--run_id=*|--log_dir|--log_dir=*|--save_checkpoint|--save_checkpoint=*\
-        |--resume|--resume=*|--overwrite|--overwrite=*)
-            echo "run.sh: the CPU race sets ${arg%%=*} itself; to choose it, run train_gpt_cplm.py directly" >&2
-            exit 2;;
-    esac
-done
+# no GPU (or a CPU build of torch on a GPU machine): the race on CPU, which names, places and sets the mode of
+# both runs itself and starts both afresh
+refuse_race_flags "$@"
 if ! ls data/pystdlib/pystdlib_train_*.bin >/dev/null 2>&1; then
     # GPT-2 tokens; tiktoken fetches its files once (or reads TIKTOKEN_CACHE_DIR)
     "$PYTHON" data/tokenize_corpus.py --stdlib --out_dir data/pystdlib --name pystdlib

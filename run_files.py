@@ -5,18 +5,26 @@ None of it changes what a run computes; each log holds this file's source after 
 """
 import contextlib
 import dataclasses
+import datetime
+import functools
 import glob
 import fcntl
 import hashlib
 import json
+import math
 import os
 import platform
 import re
 import socket
+import stat
 import subprocess
+import sys
 import time
+import uuid
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 
 class UsageError(Exception):
@@ -117,6 +125,83 @@ class Logger:
             os.truncate(self.path, self.size_before)
 
 
+def run_settings(a, given=()):
+    """(a, checkpoint, changed): the run's settings, its checkpoint (read on the CPU) and, with --resume, the
+    flags given now that differ from the checkpoint's (lines for the log): a resumed run continues with its
+    checkpoint's settings, flags given now win. A run without --run_id gets a fresh uuid."""
+    checkpoint, changed = None, []
+    if a.resume:
+        if not os.path.isfile(a.resume):
+            raise UsageError(f"--resume: no such checkpoint file: {a.resume}")
+        if not a.run_id:  # the checkpoint's own run, <log_dir>/<run_id>/state_stepN.pt, wherever that log_dir is
+            run_folder = os.path.realpath(os.path.dirname(a.resume))
+            a.run_id = os.path.basename(run_folder)
+            elsewhere = os.path.dirname(run_folder) != os.path.realpath(a.log_dir)
+            if "log_dir" not in given and elsewhere and os.path.exists(f"{run_folder}.txt"):  # its own log
+                a.log_dir = os.path.dirname(run_folder)
+        checkpoint = read_checkpoint(a.resume, "cpu")
+        a, changed = settings_on_resume(a, checkpoint["hyperparameters"], given)
+        wrong = [f"{f.name} = {getattr(a, f.name)!r}" for f in dataclasses.fields(a) if not isinstance(
+            getattr(a, f.name), (float, int) if f.type in (float, "float") else type(f.default)) or isinstance(
+            getattr(a, f.name), bool)]
+        if wrong:
+            raise DataError(f"--resume {a.resume}: its settings are not this script's ({', '.join(wrong[:3])})")
+        check_args(a, given)
+    a.run_id = a.run_id or str(uuid.uuid4())
+    return a, checkpoint, changed
+
+
+@contextlib.contextmanager
+def claim_run(a, rank, distributed, device, sources):
+    """The run's claim on its run_id, around its training: the lock (rank 0; every rank refuses together if
+    another process holds it, none waiting in a collective for a rank 0 that has gone), the process group,
+    the same settings and shards on every rank, and the Logger it yields. A run refused or crashed before its
+    first validation leaves no log where there was none and an earlier run's as it was; a later failure ends
+    the log with a "stopped:" line saying why."""
+    run_lock = check_log_target(a, writer=rank == 0)  # rank 0: the run's lock; None where another process has it
+    try:
+        if distributed:  # a rank that stops answering ends the job after dist_timeout_s instead of hanging it
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                    device_id=device if device.type == "cuda" else None,
+                                    timeout=datetime.timedelta(seconds=a.dist_timeout_s))
+        refused = rank == 0 and run_lock is None
+        if distributed:
+            flag = torch.tensor([int(refused), (d := settings_digest(a, with_shards=True)), -d], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the ranks' digests agree iff max(d) == -max(-d)
+            if flag[1] != -flag[2]:
+                raise UsageError("the ranks were started with different settings or see different shards (their "
+                                 "sha256): give every rank the same flags and the same data")
+            refused = bool(flag[0].item())
+        if refused:
+            raise UsageError(f"run {a.run_id} is training in another process on this machine: wait for it to end, "
+                             "or choose another --run_id")
+        log = Logger(a, rank == 0, sources=sources)
+        try:
+            yield log
+            if not log.started:  # stopped at its first validation (a NaN): its log stays only where none was
+                log.undo(keep_if_new=True)
+            if distributed:  # no rank tears its connections down while another still uses them (gloo aborted
+                dist.barrier()  # a finished job now and then: "terminate called without an active exception")
+        except (UsageError, DataError):
+            if not log.started:  # refused before the first step: leave no trace in the logs
+                log.undo()
+            else:
+                with contextlib.suppress(OSError, DataError):  # a full disk: the one line that says why
+                    log(f"stopped: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}", console=False)
+            raise
+        except BaseException as e:  # the log ends with why it stopped
+            with contextlib.suppress(OSError, DataError):
+                log(f"stopped: {type(e).__name__}: {e}", console=False)
+            if not log.started:
+                log.undo(keep_if_new=True)  # an earlier run's log stays as it was
+            raise
+    finally:
+        if run_lock is not None:  # first: a teardown that raises leaves no lock file behind
+            release_run_lock(run_lock)
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def log_path(a):
     return os.path.join(a.log_dir, f"{a.run_id}.txt")
 
@@ -161,8 +246,10 @@ def check_log_target(a, writer=True):
     if not writer:
         return None
     run_lock = take_run_lock(os.path.join(a.log_dir, f".{a.run_id}.lock"))  # one process per run_id, fresh or resumed
-    if run_lock is not None:
-        remove_dead_writers_files([a.log_dir], f".{glob.escape(a.run_id)}.txt.starting*")  # killed before starting
+    if run_lock is not None:  # a starting log of this run_id is a dead process's: any live one would hold the lock
+        for path in glob.glob(os.path.join(glob.escape(a.log_dir), f".{glob.escape(a.run_id)}.txt.starting*")):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     return run_lock
 
 
@@ -199,7 +286,8 @@ def git_state(folder):
         return "unknown (not a git checkout)"
 
 
-def file_sha256(path, block=1 << 24):
+@functools.lru_cache(maxsize=None)
+def _sha256_of(path, size, mtime_ns, inode, block=1 << 24):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(block):
@@ -207,10 +295,21 @@ def file_sha256(path, block=1 << 24):
     return h.hexdigest()
 
 
-def settings_digest(a):
-    """63 bits of a sha256 of the run's settings (the run_id aside: a rank may have drawn its own), which every
-    rank of a run must share."""
+def file_sha256(path):
+    """sha256 of a file's bytes, read once per process while its size, mtime and inode stay the same (the log,
+    the ranks' digest and the checkpoint all ask for the shards' hashes)."""
+    st = os.stat(path)
+    return _sha256_of(os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def settings_digest(a, with_shards=False):
+    """63 bits of a sha256 of the run's settings (the run_id aside: a rank may have drawn its own) and, with_shards,
+    of the train and val shards' bytes (sha256 each, by their order in the globs): every rank of a run must share
+    them (two nodes' copies of the data that differ, or a relative glob that finds other files, are refused)."""
     settings = {k: v for k, v in dataclasses.asdict(a).items() if k != "run_id"}
+    if with_shards:
+        settings["shards"] = [[file_sha256(p) for p in sorted(glob.glob(g)) if os.path.isfile(p)]
+                              for g in (a.train_files, a.val_files)]
     return int(hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:15], 16)
 
 
@@ -233,22 +332,25 @@ def writer_tag():
     return f"{os.getpid()}@{socket.gethostname()}"
 
 
-def remove_dead_writers_files(folders, pattern):
-    """Removes the temporary files (named ...<pid>@<host>, or ...<pid>@<host>.tmp: writer_tag()) in these folders
-    whose writer is no longer alive on this machine; a live process's stay, and so do another machine's, whose
-    liveness cannot be told from here. Returns the removed paths."""
+def remove_stale_saves(folders, pattern="state_step*.pt.*.tmp", quiet_s=60):
+    """Removes the temporary checkpoints in these folders that no live process is writing; returns their paths.
+    A writer holds an flock on its temporary file from its creation to its rename (save_checkpoint), and every
+    process on this host sees it (a pid would not tell: another PID namespace or container reuses pids); a file
+    unlocked but changed in the last quiet_s seconds may be a writer between its open and its lock, and stays.
+    So do another host's (the name carries the writer's host): its locks need not reach this one."""
     removed = []
     for path in sorted(f for folder in folders for f in glob.glob(os.path.join(glob.escape(folder), pattern))):
-        m = re.search(r"(\d+)(?:@([^/]*?))?(?:\.tmp)?$", path)
-        if m and m[2] is not None and m[2] != socket.gethostname():
-            continue  # another machine's writer (a shared filesystem, another container): its pid means nothing here
+        m = re.search(r"@([^/]*?)\.tmp$", path)
+        if m and m[1] != socket.gethostname():
+            continue
         try:
-            os.kill(int(m[1]), 0)  # a live process's: leave it
-        except (TypeError, ProcessLookupError):
-            os.remove(path)
-            removed.append(path)
-        except PermissionError:
-            pass
+            with open(path, "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if time.time() - os.fstat(f.fileno()).st_mtime >= quiet_s:
+                    os.remove(path)
+                    removed.append(path)
+        except (BlockingIOError, FileNotFoundError):  # a live writer's, or gone already
+            continue
     return removed
 
 
@@ -264,12 +366,16 @@ def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, 
                         f"good ones (newest: {written[-1] if written else 'none'}); lower the learning rates")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
-                 loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a))
+                 loader=loader.state(), training_time_ms=training_time_ms, hyperparameters=dataclasses.asdict(a),
+                 shards=shard_hashes(a))
     state["digest"] = tensor_digest([state["model"], state["optimizers"], checkpoint_scalars(state)])
-    tmp = f"{path}.{writer_tag()}.tmp"  # the writer's pid and host: a live run's file is never taken for stale
+    tmp = f"{path}.{writer_tag()}.tmp"
     try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        with open(tmp, "wb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # held until the rename: the proof, on this host, that its writer lives
+            torch.save(state, f)
+            f.flush()
+            os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # a full disk: torch's zip writer raises RuntimeError
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -281,6 +387,28 @@ def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, 
         if os.path.exists(old):
             os.remove(old)
     del written[:-a.keep_checkpoints]
+
+
+class Checkpoints:
+    """A run's checkpoints: the one it resumes (restored here: weights, optimizer states, data position and
+    clock, said in the log) and the ones it saves, of which the newest --keep_checkpoints stay (this run's, and a
+    continued run's up to its resume)."""
+
+    def __init__(self, a, log, checkpoint, model, optimizers, loader, changed=()):
+        self.a, self.log, self.model, self.optimizers, self.loader = a, log, model, optimizers, loader
+        self.start_step, self.training_time_ms = 0, 0.0
+        if checkpoint is not None:
+            self.start_step, self.training_time_ms = restore_checkpoint(checkpoint, model, optimizers, loader, a.resume)
+            log(("continuing" if log.size_before is not None else f"resumed from {a.resume}")
+                + f" at step {self.start_step}, train_time {self.training_time_ms:.0f}ms"
+                + (f"; changed on the command line: {', '.join(changed)}" if changed else "; every setting as saved"))
+        self.written = [] if log.size_before is None else [
+            p for p in checkpoints_in(os.path.join(a.log_dir, a.run_id)) if checkpoint_step(p) <= self.start_step]
+
+    def save(self, step, training_time_ms):
+        path = os.path.join(self.a.log_dir, self.a.run_id, f"state_step{step:06d}.pt")
+        save_checkpoint(path, self.model, self.optimizers, step, self.loader, training_time_ms, self.a, self.written)
+        self.log(f"saved checkpoint {path}")
 
 
 def tensor_digest(obj) -> str:
@@ -305,8 +433,8 @@ def tensor_digest(obj) -> str:
 
 def checkpoint_scalars(state):
     """What the digest covers beside the tensors: step, clock, loader and settings, as one byte tensor."""
-    text = json.dumps([state["step"], state["training_time_ms"], state["loader"], state["hyperparameters"]],
-                      sort_keys=True, default=str)
+    scalars = [state["step"], state["training_time_ms"], state["loader"], state["hyperparameters"]]
+    text = json.dumps(scalars + ([state["shards"]] if "shards" in state else []), sort_keys=True, default=str)
     return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
 
@@ -318,6 +446,7 @@ def read_checkpoint(path, device, verify=True, mmap=False, resumable=True):
         state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
         saved = state["hyperparameters"]
         assert isinstance(saved, dict) and isinstance(state["step"], int) and isinstance(state["model"], dict)
+        assert state["step"] >= 0, f"step {state['step']}"
         if resumable:  # optimizer states, data position and clock: what --resume needs beside the weights
             assert len(state["optimizers"]) == 2 and isinstance(state["loader"]["position"], int)
             assert float(state["training_time_ms"]) >= 0
@@ -335,12 +464,49 @@ def read_checkpoint(path, device, verify=True, mmap=False, resumable=True):
     return state
 
 
+def check_train_val_apart(train_files, val_files):
+    """The run must not train on its validation set: no val shard may be a train shard, by path, link, bind
+    mount (the same inode) or copy (the same bytes)."""
+    def identity(path):
+        st = os.stat(path)
+        return {("inode", st.st_dev, st.st_ino), ("bytes", file_sha256(path))}
+    train = {key: path for path in train_files for key in identity(path)}
+    for path in val_files:
+        if same := [train[key] for key in identity(path) if key in train]:
+            raise DataError(f"--val_files {path} is --train_files {same[0]} (the same file, a link or a copy of "
+                            "its bytes): the run would train on its validation set")
+
+
+def shard_hashes(a):
+    """{"train": [...], "val": [...]}: the sha256 of each shard the run reads, in the globs' order."""
+    return {split: [file_sha256(p) for p in sorted(glob.glob(pattern)) if os.path.isfile(p)]
+            for split, pattern in (("train", a.train_files), ("val", a.val_files))}
+
+
 def check_checkpoint_fits(a, state):
-    """A checkpoint fits only a model of the same shape and mode."""
+    """A checkpoint fits only a model of the same shape and mode, and continues only on the bytes it trained and
+    validated on (a checkpoint from before the shards' hashes were saved is not checked for them)."""
     saved = state["hyperparameters"]
     differ = [f"{f} {saved.get(f)!r} -> {getattr(a, f)!r}" for f in SHAPE_FIELDS if saved.get(f) != getattr(a, f)]
     if differ:
         raise DataError(f"--resume {a.resume}: the checkpoint's model differs from this run's: {', '.join(differ)}")
+    now = shard_hashes(a)
+    changed = [split for split in ("train", "val") if split in state.get("shards", {}) and state["shards"][split] != now[split]]
+    if changed:
+        raise DataError(f"--resume {a.resume}: the {' and '.join(changed)} shards' bytes differ from those the "
+                        "checkpoint trained on (their sha256): resume on the same data, or start a new run")
+
+
+def finished_before(a, state):
+    """A checkpoint with nothing left to train: past --num_iterations, or at it with its log already ended (a run
+    killed between its final checkpoint and its final line is finished instead: the final validation and line)."""
+    if state["step"] != a.num_iterations:
+        return state["step"] > a.num_iterations
+    if not continues_own_run(a) or not os.path.exists(log_path(a)):
+        return False
+    lines = read_text(log_path(a)).splitlines()
+    last_section = max((i for i, line in enumerate(lines) if line.startswith("hyperparameters: {")), default=0)
+    return any(line.startswith("final ") for line in lines[last_section:])
 
 
 def restore_checkpoint(state, model, optimizers, loader, path):
@@ -377,3 +543,181 @@ def environment_lines(device, world_size, a=None):
         except (OSError, subprocess.SubprocessError):
             pass
     return lines
+
+
+# -----------------------------------------------------------------------------------------------------
+# Settings and shards, checked before anything is read or built (the script's parse_args and loaders call these)
+
+LR_FIELDS = ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")
+INVOCATION_FIELDS = ("preset", "resume", "run_id", "log_dir", "overwrite")  # about this command, not the run
+
+
+def check_args(a, given=()):
+    """Every setting in range, before anything is read or built; given: the flags on the command line."""
+    def need(ok, message):
+        if not ok:
+            raise UsageError(message)
+
+    need(a.cplm in (0, 1), f"--cplm must be 0 or 1, not {a.cplm}")
+    need(a.seq_len > 0 and a.seq_len % 128 == 0, f"--seq_len must be a positive multiple of 128, not {a.seq_len}")
+    need(a.val_seq_len > 0 and a.val_seq_len % 128 == 0, "--val_seq_len must be a positive multiple of 128")
+    need(a.batch_size > 0 and a.batch_size % a.seq_len == 0, "--batch_size must be a multiple of --seq_len")
+    need(a.val_tokens >= 0 and a.val_tokens % a.val_seq_len == 0,
+         "--val_tokens must be a multiple of --val_seq_len (0: no validation)")
+    need(a.val_tokens > 0 or a.target_val_loss == 0, "--target_val_loss needs validation: --val_tokens > 0")
+    need(a.num_heads >= 1 and a.model_dim >= a.num_heads, "--num_heads must be >= 1 and --model_dim >= --num_heads")
+    need(a.model_dim % a.num_heads == 0 and (a.model_dim // a.num_heads) % 4 == 0,
+         "--model_dim must be num_heads x head_dim with head_dim a multiple of 4")
+    need(a.num_layers >= 2 and a.num_layers % 2 == 0 and a.num_iterations >= 0, "--num_layers must be even and "
+         "positive (the U-net pairs each layer of the first half with one of the second), --num_iterations >= 0")
+    need(0 <= a.attn_window_start <= a.attn_window, "need 0 <= --attn_window_start <= --attn_window")
+    need(a.no_attention_layer >= -1, "--no_attention_layer is a layer index, or -1 for none")
+    need(a.fp8_head in (-1, 0, 1) and a.cp_backend in ("auto", "flex", "dense"),
+         "--fp8_head must be -1, 0 or 1; --cp_backend auto, flex or dense")
+    need(a.cp_chunk >= 0, f"--cp_chunk must be >= 0 (0: the device's default), not {a.cp_chunk}")
+    need(a.vocab_size >= 0 and (a.bos_id == -1 or 0 <= a.bos_id < (a.vocab_size or 2 ** 31)),
+         "--vocab_size must be >= 0 (0: from the shards) and --bos_id a token id below it (-1: the last id)")
+    need(a.cp_dim > 0 and a.cp_optimizer in ("adam", "muon"), "--cp_dim must be > 0, --cp_optimizer adam|muon")
+    need(0 <= a.copy_gate_init < 1, "--copy_gate_init is the gate's starting value: it must lie in [0, 1)")
+    need(a.dist_timeout_s > 0 and a.train_loss_every >= 0, "--dist_timeout_s must be > 0, --train_loss_every >= 0")
+    need(0 <= a.cooldown_frac <= 1, "--cooldown_frac must lie in [0, 1]")
+    need(0 <= a.logit_softcap <= 1000, f"--logit_softcap must lie in [0, 1000] (0: no soft-cap; the record's is 15), "
+         f"not {a.logit_softcap}: a huge cap makes every logit equal")
+    # sizes past any model this script can build fail later and worse (a 256 GB allocation, an overflow)
+    limits = dict(num_layers=1024, model_dim=65536, num_heads=4096, cp_dim=65536, vocab_size=2 ** 24,
+                  attn_window=2 ** 24, attn_window_start=2 ** 24, seq_len=2 ** 24, val_seq_len=2 ** 24,
+                  batch_size=2 ** 31, val_tokens=2 ** 31, cp_chunk=2 ** 24, num_iterations=10 ** 9,
+                  dist_timeout_s=7 * 86400, no_attention_layer=1023)
+    need(all(getattr(a, f) <= m for f, m in limits.items()), "too large: " + ", ".join(
+        f"--{f} {getattr(a, f)} (at most {m})" for f, m in limits.items() if getattr(a, f) > m))
+    # the presets' 7 on the cpu preset's 4 layers means none; a layer named on the command line must exist
+    need("no_attention_layer" not in given or a.no_attention_layer < a.num_layers,
+         f"--no_attention_layer {a.no_attention_layer} is not a layer of a {a.num_layers}-layer model "
+         "(-1: every layer has attention)")
+    need(a.cp_backend != "flex" or torch.cuda.is_available(), "--cp_backend flex needs a CUDA GPU (FlexAttention "
+         "has no backward on CPU): use --cp_backend dense or auto")
+    need(a.cplm == 1 or a.copy_gate_init == 0, "--copy_gate_init sets the CP head's gate: it needs --cplm 1")
+    need(a.cplm == 1 or a.cp_stop_grad != 1, "--cp_stop_grad is an ablation of the CP head: it needs --cplm 1")
+    need(a.copy_gate in ("lm", "sentinel") and (a.copy_gate == "lm" or (a.cplm == 1 and a.copy_gate_init == 0)),
+         f"--copy_gate is lm or sentinel (got {a.copy_gate!r}); sentinel needs --cplm 1 and no --copy_gate_init")
+    need(all(x in (0, 1) for x in (a.cp_stop_grad, a.save_checkpoint, a.overwrite, a.coordinate_descent))
+         and a.compile in (-1, 0, 1),
+         "--cp_stop_grad, --save_checkpoint, --overwrite and --coordinate_descent must be 0 or 1, --compile -1, 0 or 1")
+    lrs = {f: getattr(a, f) for f in LR_FIELDS}
+    need(all(0 <= v < math.inf for v in lrs.values()), "learning rates must be finite and >= 0: " + ", ".join(
+        f"--{k} {v}" for k, v in lrs.items() if not 0 <= v < math.inf))
+    need(0 <= a.muon_momentum < 1, "--muon_momentum must lie in [0, 1)")
+    need(a.muon_momentum_warmup_steps >= 0, "--muon_momentum_warmup_steps must be >= 0")
+    need(0 <= a.seed < 2 ** 63 and -1 <= a.data_seed < 2 ** 63,
+         "--seed must lie in [0, 2^63), --data_seed in [-1, 2^63)")
+    intervals = ("val_loss_every", "train_loss_every", "checkpoint_every", "warmup_steps", "target_val_loss")
+    need(all(getattr(a, f) >= 0 for f in intervals), "must be >= 0: " + ", ".join(
+        f"--{f} {getattr(a, f)}" for f in intervals if not getattr(a, f) >= 0))  # nan too
+    need(a.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1")
+    need(re.fullmatch(r"[\w.-]*", a.run_id) is not None and a.run_id not in (".", ".."),
+         f"--run_id {a.run_id!r} must be a plain name (letters, digits, '.', '_', '-'): it names files")
+    need(len(a.run_id) <= 200, f"--run_id is {len(a.run_id)} characters: at most 200 (it names files)")
+    need(a.log_dir != "", "--log_dir must name a folder (default logs)")
+
+
+def settings_on_resume(a, saved: dict, given=()):
+    """The checkpoint's settings for every field not given on this command line; the given ones that differ
+    from the checkpoint's, as lines for the log ("--batch_size 2048 -> 4096"). Flags that only set the initial
+    weights are ignored: the weights come from the checkpoint."""
+    names = [f.name for f in dataclasses.fields(a) if f.name not in INVOCATION_FIELDS]
+    kept = {f: saved[f] for f in names if f in saved and (f not in given or f in ("seed", "copy_gate_init"))}
+    lines = [f"--{f} {getattr(a, f)!r} ignored (the checkpoint's weights are loaded)" if f in kept else
+             f"--{f} {saved[f]!r} -> {getattr(a, f)!r}"
+             for f in names if f in saved and f in given and saved[f] != getattr(a, f)]
+    return dataclasses.replace(a, **kept), lines
+
+
+SHARD_MAGIC = 20240520
+SHARD_DTYPES = {1: np.uint16, 2: np.uint32}  # version -> token type
+
+
+def shard_header(path: str) -> tuple[np.dtype, int, int]:
+    """(token dtype, token count, vocabulary size or 0) of one shard, its header checked against the file."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the read below forever
+            raise DataError(f"{path}: not a regular file (a folder, pipe or device), so not a token shard")
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=256)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror})")
+    if size < 1024:
+        raise DataError(f"{path}: {size} bytes, too short for the 1024-byte shard header")
+    if header[0] != SHARD_MAGIC:
+        raise DataError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
+    if header[1] not in SHARD_DTYPES:
+        raise DataError(f"{path}: unsupported shard version {header[1]} (1 = uint16, 2 = uint32 tokens)")
+    dtype, count = np.dtype(SHARD_DTYPES[int(header[1])]), int(header[2])
+    if size != 1024 + count * dtype.itemsize:
+        raise DataError(f"{path}: truncated or padded: header says {count} tokens ({1024 + count * dtype.itemsize} "
+                        f"bytes with the header), the file has {size} bytes")
+    if header[3] < 0:
+        raise DataError(f"{path}: header states a vocabulary of {header[3]} ids")
+    return dtype, count, int(header[3])
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, where: str):
+    """Every id must index the embedding: one pass over the tokens, so a bad id fails here, not hours in."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise DataError(f"{where}: holds token id {int(tokens.max())}, but --vocab_size is {vocab_size} (ids "
+                        f"0..{vocab_size - 1}); pass the tokenizer's vocabulary size or rebuild the shards")
+
+
+def find_shards(pattern: str) -> list[str]:
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise DataError(f"no shards match {pattern}: fetch FineWeb with `python data/cached_fineweb10B.py 10`, "
+                        "or build the CPU corpus with `bash run.sh` (see README.md)")
+    return files
+
+
+def header_vocab_size(patterns: list[str]) -> int:
+    """The vocabulary size the shards' headers state (0 where none does, as in the FineWeb shards); shards
+    that state different sizes are an error."""
+    sizes = {path: shard_header(path)[2] for pattern in patterns for path in find_shards(pattern)}
+    stated = {v for v in sizes.values() if v > 0}
+    if len(stated) > 1:
+        examples = ", ".join(f"{p}: {v}" for p, v in list(sizes.items()) if v > 0)
+        raise DataError(f"the shards state different vocabularies ({examples}): use shards of one tokenizer")
+    return stated.pop() if stated else 0
+
+
+GPT2_VOCAB_SIZE = 50257  # the FineWeb shards' tokenizer; their headers state no vocabulary
+
+
+def resolve_vocabulary(a):
+    """vocab_size from the shards' headers where they state one (a given --vocab_size must agree), else
+    GPT-2's; bos_id -1 becomes the last id (GPT-2's 50256, the byte tokenizer's 256)."""
+    stated = header_vocab_size([a.train_files, a.val_files])
+    if stated > 2 ** 24:  # --vocab_size's own limit: a 5 GB embedding table means a bad header, not a model
+        raise DataError(f"the shards' headers state a vocabulary of {stated} ids, more than 2^24: not this script's")
+    if stated and a.vocab_size and a.vocab_size != stated:
+        raise DataError(f"the shards were written for a vocabulary of {stated} ids, --vocab_size is {a.vocab_size}: "
+                        f"drop --vocab_size or pass {stated}")
+    vocab_size = a.vocab_size or stated or GPT2_VOCAB_SIZE
+    # the 4 embedding tables and the head, with their gradients and Adam's two moments: 4 float32 copies each
+    need, have = 4 * 4 * 5 * vocab_size * a.model_dim, machine_memory()
+    if have and need > have:
+        raise DataError(f"a vocabulary of {vocab_size} ids ({'the shards state it' if stated else '--vocab_size'}) "
+                        f"needs {need / 2 ** 30:.1f} GiB for its tables alone, more than this machine's "
+                        f"{have / 2 ** 30:.1f} GiB: a bad header or flag, not a model to train here")
+    bos_id = vocab_size - 1 if a.bos_id == -1 else a.bos_id
+    if bos_id >= vocab_size:
+        raise UsageError(f"--bos_id {bos_id} is not a token id of a {vocab_size}-id vocabulary")
+    return dataclasses.replace(a, vocab_size=vocab_size, bos_id=bos_id)
+
+
+
+
+def machine_memory():
+    """Bytes of memory the run's tensors can use: the GPU's, else the machine's (0 where unknown)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

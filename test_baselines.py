@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt_cplm as tg
-from test_cplm import _load_experiment, write_shard
+from conftest import _load_experiment, write_shard
 
 BOS, VOCAB = 99, 100
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -157,7 +157,7 @@ def tiny_checkpoint(folder, cplm):
     class Loader:
         def state(self):
             return {"position": 0}
-    tg.save_checkpoint(str(path), model, tg.build_optimizers(model, hp, 0, 1), 2, Loader(), 0.0, hp, [])
+    tg.run_files.save_checkpoint(str(path), model, tg.build_optimizers(model, hp, 0, 1), 2, Loader(), 0.0, hp, [])
     return path
 
 

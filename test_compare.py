@@ -1,10 +1,8 @@
 """The judge (tools/compare.py) and the CPU speedrun's driver and report (experiments/speedrun.py), which uses it:
 parsing logs, grouping runs, the decision tests, steps and time to target, provenance, the command line."""
-import importlib.util
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -13,29 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-COMPARE_PATH = Path(ROOT) / "tools" / "compare.py"
-
-
-def _load(relative_path):
-    """A repository script as a module, its folder on sys.path as when it runs as a script."""
-    path = Path(ROOT) / relative_path
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from conftest import ROOT, _load, assert_one_line
 
 compare = _load("tools/compare.py")
-
-
-def assert_one_line(stderr, *words):
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
 
 
 # A fake copy of the training script's source, as it appears at the top of every log: nothing in it counts.
@@ -359,7 +337,7 @@ def test_provenance_other_validation_refused_other_code_and_repeated_seeds_flagg
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, str(COMPARE_PATH), *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(Path(ROOT) / "tools" / "compare.py"), *map(str, args)], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -211,7 +211,7 @@ def write_checkpoint(folder, cplm, attn_window=256, step=10, vocab=257):
             if p.ndim == 2 and not p.any():
                 p.normal_(0, 0.1)
     path = folder / f"tiny{cplm}" / f"state_step{step:06d}.pt"
-    tg.save_checkpoint(str(path), model, [torch.optim.SGD(model.parameters(), lr=0.1)] * 2, step, _Loader(), 1.0, a, [])
+    tg.run_files.save_checkpoint(str(path), model, [torch.optim.SGD(model.parameters(), lr=0.1)] * 2, step, _Loader(), 1.0, a, [])
     return path, model
 
 

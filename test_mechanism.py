@@ -278,7 +278,7 @@ def run_folder(tmp_path_factory):
         model.lm_head.weight.normal_(0, 0.1)
         model.cp_head.w_q.weight.normal_(0, 0.1)
     path = str(d / "logs" / "tiny" / "state_step000002.pt")
-    tg.save_checkpoint(path, model, tg.build_optimizers(model, hp, 0, 1), 2, StubLoader(), 0.0, hp, [])
+    tg.run_files.save_checkpoint(path, model, tg.build_optimizers(model, hp, 0, 1), 2, StubLoader(), 0.0, hp, [])
     return d
 
 

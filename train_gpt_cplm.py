@@ -12,22 +12,16 @@ inference.py (the dense reference of the mixture, generation, loading a checkpoi
 inference.py.
 """
 import argparse
-import contextlib
 import copy
-import ctypes
 import dataclasses
-import datetime
-import glob
 import inspect
 import json
 import math
 import os
 import re
 import signal
-import stat
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,10 +32,10 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-import run_files
-from run_files import (DataError, Logger, UsageError, check_checkpoint_fits, check_log_target, checkpoint_step,
-                       checkpoints_in, environment_lines, read_checkpoint, release_run_lock,
-                       remove_dead_writers_files, restore_checkpoint, save_checkpoint)
+import run_files  # the run's settings checks, shard checks, log, lock and checkpoints: nothing a step computes
+from run_files import (DataError, UsageError, check_args, check_token_range, environment_lines, find_shards,
+                       resolve_vocabulary, shard_header)
+from run_files import GPT2_VOCAB_SIZE, read_checkpoint  # noqa: F401  (for importers: inference.py, experiments)
 
 # -----------------------------------------------------------------------------------------------------
 # Config
@@ -102,7 +96,7 @@ class Hyperparameters:
     run_id: str = ""  # log name; default: a fresh uuid
     log_dir: str = "logs"  # where logs and checkpoints go
     compile: int = -1  # torch.compile the model and Newton-Schulz; -1: on CUDA only
-    coordinate_descent: int = 1  # 1: inductor's coordinate-descent tuning on CUDA, as the record (a longer compile)
+    coordinate_descent: int = 0  # 1: inductor's coordinate-descent kernel tuning on CUDA, as the record (~25 min)
     warmup_steps: int = 10  # untimed steps that compile kernels; the model and optimizers are then reset
     dist_timeout_s: int = 900  # a collective that waits longer ends the job instead of hanging it
     checkpoint_every: int = 0  # > 0: save a checkpoint every this many steps
@@ -127,9 +121,7 @@ PRESETS = {
 FIELD_HELP = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", inspect.getsource(Hyperparameters), re.MULTILINE))
 
 
-LR_FIELDS = ("lr_embed", "lr_head", "lr_scalar", "lr_muon", "lr_cp")
 FLAGS_GIVEN = set()  # the flags of the last parse_args: a resumed run keeps its checkpoint's settings unless given
-INVOCATION_FIELDS = ("preset", "resume", "run_id", "log_dir", "overwrite")  # about this command, not the run
 
 
 def parse_args(argv=None) -> Hyperparameters:
@@ -151,107 +143,12 @@ def parse_args(argv=None) -> Hyperparameters:
         raise UsageError(f"--preset must be one of {', '.join(PRESETS)} or auto, not {preset!r}")
     args = dataclasses.replace(defaults, **{**PRESETS[preset], **given, "preset": preset})
     if not args.resume:  # a resumed run is checked once its checkpoint's settings are merged in (main)
-        check_args(args)
+        check_args(args, FLAGS_GIVEN)
     return args
-
-
-def check_args(a: Hyperparameters):
-    def need(ok, message):
-        if not ok:
-            raise UsageError(message)
-
-    need(a.cplm in (0, 1), f"--cplm must be 0 or 1, not {a.cplm}")
-    need(a.seq_len > 0 and a.seq_len % 128 == 0, f"--seq_len must be a positive multiple of 128, not {a.seq_len}")
-    need(a.val_seq_len > 0 and a.val_seq_len % 128 == 0, "--val_seq_len must be a positive multiple of 128")
-    need(a.batch_size > 0 and a.batch_size % a.seq_len == 0, "--batch_size must be a multiple of --seq_len")
-    need(a.val_tokens >= 0 and a.val_tokens % a.val_seq_len == 0,
-         "--val_tokens must be a multiple of --val_seq_len (0: no validation)")
-    need(a.val_tokens > 0 or a.target_val_loss == 0, "--target_val_loss needs validation: --val_tokens > 0")
-    need(a.num_heads >= 1 and a.model_dim >= a.num_heads, "--num_heads must be >= 1 and --model_dim >= --num_heads")
-    need(a.model_dim % a.num_heads == 0 and (a.model_dim // a.num_heads) % 4 == 0,
-         "--model_dim must be num_heads x head_dim with head_dim a multiple of 4")
-    need(a.num_layers >= 2 and a.num_layers % 2 == 0 and a.num_iterations >= 0, "--num_layers must be even and "
-         "positive (the U-net pairs each layer of the first half with one of the second), --num_iterations >= 0")
-    need(0 <= a.attn_window_start <= a.attn_window, "need 0 <= --attn_window_start <= --attn_window")
-    need(a.no_attention_layer >= -1, "--no_attention_layer is a layer index, or -1 for none")
-    need(a.fp8_head in (-1, 0, 1) and a.cp_backend in ("auto", "flex", "dense"),
-         "--fp8_head must be -1, 0 or 1; --cp_backend auto, flex or dense")
-    need(a.cp_chunk >= 0, f"--cp_chunk must be >= 0 (0: the device's default), not {a.cp_chunk}")
-    need(a.vocab_size >= 0 and (a.bos_id == -1 or 0 <= a.bos_id < (a.vocab_size or 2 ** 31)),
-         "--vocab_size must be >= 0 (0: from the shards) and --bos_id a token id below it (-1: the last id)")
-    need(a.cp_dim > 0 and a.cp_optimizer in ("adam", "muon"), "--cp_dim must be > 0, --cp_optimizer adam|muon")
-    need(0 <= a.copy_gate_init < 1, "--copy_gate_init is the gate's starting value: it must lie in [0, 1)")
-    need(a.dist_timeout_s > 0 and a.train_loss_every >= 0, "--dist_timeout_s must be > 0, --train_loss_every >= 0")
-    need(0 <= a.cooldown_frac <= 1, "--cooldown_frac must lie in [0, 1]")
-    need(0 <= a.logit_softcap <= 1000, f"--logit_softcap must lie in [0, 1000] (0: no soft-cap; the record's is 15), "
-         f"not {a.logit_softcap}: a huge cap makes every logit equal")
-    # sizes past any model this script can build fail later and worse (a 256 GB allocation, an overflow)
-    limits = dict(num_layers=1024, model_dim=65536, num_heads=4096, cp_dim=65536, vocab_size=2 ** 24,
-                  attn_window=2 ** 24, attn_window_start=2 ** 24, seq_len=2 ** 24, val_seq_len=2 ** 24,
-                  batch_size=2 ** 31, val_tokens=2 ** 31, cp_chunk=2 ** 24, num_iterations=10 ** 9,
-                  dist_timeout_s=7 * 86400, no_attention_layer=1023)
-    need(all(getattr(a, f) <= m for f, m in limits.items()), "too large: " + ", ".join(
-        f"--{f} {getattr(a, f)} (at most {m})" for f, m in limits.items() if getattr(a, f) > m))
-    # the presets' 7 on the cpu preset's 4 layers means none; a layer named on the command line must exist
-    need("no_attention_layer" not in FLAGS_GIVEN or a.no_attention_layer < a.num_layers,
-         f"--no_attention_layer {a.no_attention_layer} is not a layer of a {a.num_layers}-layer model "
-         "(-1: every layer has attention)")
-    need(a.cp_backend != "flex" or torch.cuda.is_available(), "--cp_backend flex needs a CUDA GPU (FlexAttention "
-         "has no backward on CPU): use --cp_backend dense or auto")
-    need(a.cplm == 1 or a.copy_gate_init == 0, "--copy_gate_init sets the CP head's gate: it needs --cplm 1")
-    need(a.cplm == 1 or a.cp_stop_grad != 1, "--cp_stop_grad is an ablation of the CP head: it needs --cplm 1")
-    need(a.copy_gate in ("lm", "sentinel") and (a.copy_gate == "lm" or (a.cplm == 1 and a.copy_gate_init == 0)),
-         f"--copy_gate is lm or sentinel (got {a.copy_gate!r}); sentinel needs --cplm 1 and no --copy_gate_init")
-    need(all(x in (0, 1) for x in (a.cp_stop_grad, a.save_checkpoint, a.overwrite, a.coordinate_descent))
-         and a.compile in (-1, 0, 1),
-         "--cp_stop_grad, --save_checkpoint, --overwrite and --coordinate_descent must be 0 or 1, --compile -1, 0 or 1")
-    lrs = {f: getattr(a, f) for f in LR_FIELDS}
-    need(all(0 <= v < math.inf for v in lrs.values()), "learning rates must be finite and >= 0: " + ", ".join(
-        f"--{k} {v}" for k, v in lrs.items() if not 0 <= v < math.inf))
-    need(0 <= a.muon_momentum < 1, "--muon_momentum must lie in [0, 1)")
-    need(a.muon_momentum_warmup_steps >= 0, "--muon_momentum_warmup_steps must be >= 0")
-    need(0 <= a.seed < 2 ** 63 and -1 <= a.data_seed < 2 ** 63,
-         "--seed must lie in [0, 2^63), --data_seed in [-1, 2^63)")
-    intervals = ("val_loss_every", "train_loss_every", "checkpoint_every", "warmup_steps", "target_val_loss")
-    need(all(getattr(a, f) >= 0 for f in intervals), "must be >= 0: " + ", ".join(
-        f"--{f} {getattr(a, f)}" for f in intervals if not getattr(a, f) >= 0))  # nan too
-    need(a.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1")
-    need(re.fullmatch(r"[\w.-]*", a.run_id) is not None and a.run_id not in (".", ".."),
-         f"--run_id {a.run_id!r} must be a plain name (letters, digits, '.', '_', '-'): it names files")
-    need(len(a.run_id) <= 200, f"--run_id is {len(a.run_id)} characters: at most 200 (it names files)")
-    need(a.log_dir != "", "--log_dir must name a folder (default logs)")
 
 
 # -----------------------------------------------------------------------------------------------------
 # Data: shards of a 256 x int32 header (magic 20240520, version, token count, vocabulary size) + tokens
-
-SHARD_MAGIC = 20240520
-SHARD_DTYPES = {1: np.uint16, 2: np.uint32}  # version -> token type
-
-
-def shard_header(path: str) -> tuple[np.dtype, int, int]:
-    """(token dtype, token count, vocabulary size or 0) of one shard, its header checked against the file."""
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the read below forever
-            raise DataError(f"{path}: not a regular file (a folder, pipe or device), so not a token shard")
-        size = os.path.getsize(path)
-        header = np.fromfile(path, dtype="<i4", count=256)
-    except OSError as e:
-        raise DataError(f"{path}: cannot read it ({e.strerror})")
-    if size < 1024:
-        raise DataError(f"{path}: {size} bytes, too short for the 1024-byte shard header")
-    if header[0] != SHARD_MAGIC:
-        raise DataError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
-    if header[1] not in SHARD_DTYPES:
-        raise DataError(f"{path}: unsupported shard version {header[1]} (1 = uint16, 2 = uint32 tokens)")
-    dtype, count = np.dtype(SHARD_DTYPES[int(header[1])]), int(header[2])
-    if size != 1024 + count * dtype.itemsize:
-        raise DataError(f"{path}: truncated or padded: header says {count} tokens ({1024 + count * dtype.itemsize} "
-                        f"bytes with the header), the file has {size} bytes")
-    if header[3] < 0:
-        raise DataError(f"{path}: header states a vocabulary of {header[3]} ids")
-    return dtype, count, int(header[3])
-
 
 def load_shard(path: str, vocab_size: int | None = None) -> np.ndarray:
     """Memory-maps the tokens of one shard after checking its header against the file."""
@@ -259,51 +156,6 @@ def load_shard(path: str, vocab_size: int | None = None) -> np.ndarray:
     if vocab_size is not None and header_vocab > vocab_size:
         raise DataError(f"{path}: written for a vocabulary of {header_vocab} ids; pass --vocab_size {header_vocab}")
     return np.memmap(path, dtype=dtype, mode="r", offset=1024, shape=(count,))
-
-
-def check_token_range(tokens: np.ndarray, vocab_size: int, where: str):
-    """Every id must index the embedding: one pass over the tokens, so a bad id fails here, not hours in."""
-    if len(tokens) and int(tokens.max()) >= vocab_size:
-        raise DataError(f"{where}: holds token id {int(tokens.max())}, but --vocab_size is {vocab_size} (ids "
-                        f"0..{vocab_size - 1}); pass the tokenizer's vocabulary size or rebuild the shards")
-
-
-def find_shards(pattern: str) -> list[str]:
-    files = sorted(glob.glob(pattern))
-    if not files:
-        raise DataError(f"no shards match {pattern}: fetch FineWeb with `python data/cached_fineweb10B.py 10`, "
-                        "or build the CPU corpus with `bash run.sh` (see README.md)")
-    return files
-
-
-def header_vocab_size(patterns: list[str]) -> int:
-    """The vocabulary size the shards' headers state (0 where none does, as in the FineWeb shards); shards
-    that state different sizes are an error."""
-    sizes = {path: shard_header(path)[2] for pattern in patterns for path in find_shards(pattern)}
-    stated = {v for v in sizes.values() if v > 0}
-    if len(stated) > 1:
-        examples = ", ".join(f"{p}: {v}" for p, v in list(sizes.items()) if v > 0)
-        raise DataError(f"the shards state different vocabularies ({examples}): use shards of one tokenizer")
-    return stated.pop() if stated else 0
-
-
-GPT2_VOCAB_SIZE = 50257  # the FineWeb shards' tokenizer; their headers state no vocabulary
-
-
-def resolve_vocabulary(a: Hyperparameters) -> Hyperparameters:
-    """vocab_size from the shards' headers where they state one (a given --vocab_size must agree), else
-    GPT-2's; bos_id -1 becomes the last id (GPT-2's 50256, the byte tokenizer's 256)."""
-    stated = header_vocab_size([a.train_files, a.val_files])
-    if stated > 2 ** 24:  # --vocab_size's own limit: a 5 GB embedding table means a bad header, not a model
-        raise DataError(f"the shards' headers state a vocabulary of {stated} ids, more than 2^24: not this script's")
-    if stated and a.vocab_size and a.vocab_size != stated:
-        raise DataError(f"the shards were written for a vocabulary of {stated} ids, --vocab_size is {a.vocab_size}: "
-                        f"drop --vocab_size or pass {stated}")
-    vocab_size = a.vocab_size or stated or GPT2_VOCAB_SIZE
-    bos_id = vocab_size - 1 if a.bos_id == -1 else a.bos_id
-    if bos_id >= vocab_size:
-        raise UsageError(f"--bos_id {bos_id} is not a token id of a {vocab_size}-id vocabulary")
-    return dataclasses.replace(a, vocab_size=vocab_size, bos_id=bos_id)
 
 
 class TrainLoader:
@@ -725,7 +577,7 @@ class GPT(nn.Module):
         self.attention_backend = "flex" if on_cuda else "dense"
         self.cp_backend = self.attention_backend if c.cp_backend == "auto" else c.cp_backend
         self.cp_chunk = c.cp_chunk or (4096 if on_cuda else 512)
-        self.head_loss = (HeadLoss if on_cuda else EagerCPUHeadLoss)(c.logit_softcap, c.copy_id)
+        self.head_loss = (HeadLoss if on_cuda else import_cpu_head().EagerCPUHeadLoss)(c.logit_softcap, c.copy_id)
 
     @property
     def gate_bias(self):  # the gate's learnable bias: on the <copy> logit, or (pointer sentinel) on the sink's score
@@ -870,64 +722,6 @@ def vanilla_nll(head_out, target_ids, softcap, reduction="mean"):
     return F.cross_entropy(soft_cap(head_out, softcap).flatten(0, -2), target_ids.flatten(), reduction=reduction)
 
 
-class VanillaLossCPU(torch.autograd.Function):
-    """vanilla_nll's mean for eager CPU training in chunks of rows: the record's loss keeps about five (N, V)
-    float32 tensors alive, which fragmented the CPU heap (peak 3.8-4.6 GB against 1.7). The forward makes each
-    chunk's gradient for an upstream 1 while it is in cache; the backward scales it by a power of two (exact)
-    or recomputes. The record's bits (loss and gradient, tested) where V > 4096 (below, the softmax kernels'
-    32 KiB row groups meet chunk edges) and with 1, 2 or 4 threads (3, 5, 6: ~1e-13 in a few entries)."""
-
-    @staticmethod
-    def forward(ctx, head_out, target_ids, softcap, chunk=32):
-        u, t = head_out.flatten(0, -2), target_ids.flatten()
-        grad = torch.empty_like(u) if ctx.needs_input_grad[0] else None
-        nll = VanillaLossCPU.chunks(u, t, softcap, chunk, grad, torch.ones((), device=u.device))
-        ctx.save_for_backward(u, t)
-        ctx.grad = grad  # handed over once (not saved_tensors, which would keep it alive after the backward)
-        ctx.softcap, ctx.chunk, ctx.shape = softcap, chunk, head_out.shape
-        return VanillaLossCPU.mean(nll)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        (u, t), grad, ctx.grad = ctx.saved_tensors, ctx.grad, None
-        # not a power of two (scaling would round) or a second backward (retain_graph): make it with g itself
-        if grad is None or torch.frexp(g).mantissa.abs() != 0.5:
-            grad = torch.empty_like(u)
-            VanillaLossCPU.chunks(u, t, ctx.softcap, ctx.chunk, grad, g)
-        elif g != 1:
-            grad.mul_(g)
-        return grad.view(ctx.shape), None, None, None
-
-    @staticmethod
-    def mean(nll):
-        """The mean of per-token nll (N,), summed in F.cross_entropy's own order (the same bits)."""
-        return F.nll_loss(-nll[:, None], torch.zeros(nll.size(0), dtype=torch.long, device=nll.device))
-
-    @staticmethod
-    def chunks(u, t, softcap, chunk, grad=None, upstream=None):
-        """Per-row nll (N,) of the flattened logits u, chunk rows at a time; with grad, also d(upstream x mean
-        nll)/du into grad, computed as the mean's backward does (upstream / N handed to every row). Without
-        grad, autograd records the chunks as usual (evaluation, or training on per-token losses)."""
-        nll = []
-        for lo in range(0, u.size(0), chunk):
-            if grad is None:
-                nll.append(vanilla_nll(u[lo:lo + chunk], t[lo:lo + chunk], softcap, reduction="none"))
-                continue
-            with torch.enable_grad():
-                x = u[lo:lo + chunk].detach().requires_grad_()
-                nll.append(vanilla_nll(x, t[lo:lo + chunk], softcap, reduction="none"))
-                row_grad = (upstream / u.size(0)).expand_as(nll[-1])
-                grad[lo:lo + chunk] = torch.autograd.grad(nll[-1], x, row_grad)[0]
-            nll[-1] = nll[-1].detach()
-        return torch.cat(nll)
-
-    @staticmethod
-    def token_nll(head_out, target_ids, softcap, chunk=32):
-        """vanilla_nll(reduction="none"), flattened, in chunks of rows (the same values where V > 4096)."""
-        return VanillaLossCPU.chunks(head_out.flatten(0, -2), target_ids.flatten(), softcap, chunk)
-
-
 def lm_head_terms(head_out, target_ids, copy_id, softcap=0.0):
     """(B, T) each: the logsumexp of the soft-capped logits without <copy>, the <copy> logit, the target's.
     Written so torch.compile fuses every (N, V) step into the reductions: the two single logits are read
@@ -943,58 +737,6 @@ def lm_head_terms(head_out, target_ids, copy_id, softcap=0.0):
     z_copy = soft_cap(head_out[..., copy_id], softcap)
     z_y = soft_cap(torch.where(slot == target_ids[..., None], head_out, 0).sum(-1), softcap)  # one term: exact
     return lse_without_copy, z_copy, z_y
-
-
-class LMHeadTermsCPU(torch.autograd.Function):
-    """lm_head_terms for eager CPU runs, forward and backward in chunks of rows small enough for the cache,
-    each pass in place: eager CPU fuses nothing, and written as lm_head_terms is, each elementwise step would
-    be a full (N, V) float32 pass to memory and back, forward and backward (a CPLM step cost 1.3x vanilla's)."""
-
-    @staticmethod
-    def forward(ctx, head_out, target_ids, copy_id, softcap, chunk=16):
-        u, t = head_out.flatten(0, -2), target_ids.flatten()
-        lse = u.new_empty(u.size(0), dtype=torch.float32)
-        for lo in range(0, u.size(0), chunk):
-            if softcap > 0:  # z = 2 cap sigmoid(2 u / cap) lies in (0, 2 cap): exp(z) needs no max subtracted
-                e = u[lo:lo + chunk].float().mul(2 / softcap).sigmoid_().mul_(2 * softcap).exp_()
-                e[:, copy_id] = 0
-                lse[lo:lo + chunk] = e.sum(-1).log_()
-            else:
-                z = u[lo:lo + chunk].float().clone()
-                z[:, copy_id] = float("-inf")
-                lse[lo:lo + chunk] = z.logsumexp(-1)
-        z_copy = soft_cap(u[:, copy_id], softcap)  # two single logits: (N,) each
-        z_y = soft_cap(u.gather(1, t[:, None])[:, 0], softcap)
-        ctx.save_for_backward(u, t, lse)
-        ctx.copy_id, ctx.softcap, ctx.chunk, ctx.shape = copy_id, softcap, chunk, head_out.shape
-        return tuple(x.view(head_out.shape[:-1]) for x in (lse, z_copy, z_y))
-
-    @staticmethod
-    def backward(ctx, g_lse, g_copy, g_y):
-        u, t, lse = ctx.saved_tensors
-        g_lse, g_copy, g_y = (g.flatten().float() for g in (g_lse, g_copy, g_y))
-        cap, c, copy_id = ctx.softcap, ctx.chunk, ctx.copy_id
-        grad = torch.empty_like(u)
-        # d lse / d z_v = softmax over the slots but <copy>; dz/du = 4 s (1 - s), s = sigmoid(2 u / cap)
-        row_scale = (g_lse * torch.exp(-lse) * (4 if cap > 0 else 1))[:, None]
-        for lo in range(0, u.size(0), c):
-            g = grad[lo:lo + c]
-            if cap > 0:
-                sig = u[lo:lo + c].float().mul(2 / cap).sigmoid_()
-                torch.mul(sig, 2 * cap, out=g).exp_().mul_(row_scale[lo:lo + c]).mul_(sig)
-                g.mul_(sig.neg_().add_(1))
-            else:
-                torch.exp(u[lo:lo + c].float(), out=g).mul_(row_scale[lo:lo + c])
-        # the two single logits: <copy> is out of the softmax; the target's own term is added
-        rows = torch.arange(u.size(0))
-        def dz_du(x):
-            if cap == 0:
-                return torch.ones_like(x, dtype=torch.float32)
-            sig = torch.sigmoid(x.float() * (2 / cap))
-            return 4 * sig * (1 - sig)
-        grad[:, copy_id] = g_copy * dz_du(u[:, copy_id])
-        grad[rows, t] += g_y * dz_du(u[rows, t])
-        return grad.view(ctx.shape), None, None, None, None
 
 
 class HeadLoss:
@@ -1016,29 +758,13 @@ class HeadLoss:
         return lm_head_terms(lm_head(h), target_ids, self.copy_id, self.softcap)
 
 
-class EagerCPUHeadLoss(HeadLoss):
-    """The same quantities for eager CPU runs, which fuse nothing: in chunks of rows (VanillaLossCPU,
-    LMHeadTermsCPU). Without gradients (validation) the head runs 1024 positions at a time: its (T, V) tensors
-    then fit the holes that training's leave in the heap (use_heap_for_large_tensors), so validation adds
-    nothing to the peak."""
-
-    def vanilla_mean(self, lm_head, h, target_ids):
-        if lm_head.out_features <= 4096:  # VanillaLossCPU is the record's bits only above (and small tensors)
-            return super().vanilla_mean(lm_head, h, target_ids)
-        return VanillaLossCPU.apply(lm_head(h), target_ids, self.softcap)
-
-    def vanilla_token_nll(self, lm_head, h, target_ids):
-        return torch.cat([VanillaLossCPU.token_nll(lm_head(h[:, p]), target_ids[:, p], self.softcap).view_as(
-            target_ids[:, p]) for p in self.pieces(h)], 1)
-
-    def terms(self, lm_head, h, target_ids):
-        pieces = [slice(None)] if torch.is_grad_enabled() else self.pieces(h)
-        return [torch.cat(t, 1) for t in zip(*(
-            LMHeadTermsCPU.apply(lm_head(h[:, p]), target_ids[:, p], self.copy_id, self.softcap) for p in pieces))]
-
-    @staticmethod
-    def pieces(h):
-        return [slice(lo, lo + 1024) for lo in range(0, h.size(1), 1024)]
+def import_cpu_head():
+    """cpu_head.py: HeadLoss's quantities for eager CPU runs (rows in chunks, their own backward) and the heap
+    setting, the CPU evidence's code, imported on a CPU only. Run as a script, this file is the train_gpt_cplm
+    that cpu_head imports."""
+    sys.modules.setdefault("train_gpt_cplm", sys.modules[__name__])
+    import cpu_head
+    return cpu_head
 
 
 def cplm_target_log_prob(lm_logits, q, k, sink_key, input_ids, target_ids, doc_ids, copyable, copy_id,
@@ -1243,31 +969,6 @@ def evaluate(model, val_tokens, a: Hyperparameters, window_blocks, rank, world_s
     return out
 
 
-def settings_on_resume(a: Hyperparameters, saved: dict):
-    """The checkpoint's settings for every field not given on this command line; the given ones that differ
-    from the checkpoint's, as lines for the log ("--batch_size 2048 -> 4096"). Flags that only set the initial
-    weights are ignored: the weights come from the checkpoint."""
-    names = [f.name for f in dataclasses.fields(Hyperparameters) if f.name not in INVOCATION_FIELDS]
-    kept = {f: saved[f] for f in names if f in saved and (f not in FLAGS_GIVEN or f in ("seed", "copy_gate_init"))}
-    lines = [f"--{f} {getattr(a, f)!r} ignored (the checkpoint's weights are loaded)" if f in kept else
-             f"--{f} {saved[f]!r} -> {getattr(a, f)!r}"
-             for f in names if f in saved and f in FLAGS_GIVEN and saved[f] != getattr(a, f)]
-    return dataclasses.replace(a, **kept), lines
-
-
-def use_heap_for_large_tensors():
-    """On CPU: glibc hands every large freed block (a (T, V) logit tensor) back to the kernel and page-faults
-    it in again at the next allocation, which costs more than the arithmetic on those tensors. Keep freed
-    memory in the heap instead (glibc only; elsewhere nothing changes)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-        libc.mallopt(M_MMAP_MAX, 0)
-        libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1)
-    except (OSError, AttributeError):
-        pass
-
-
 def use_fp8_head(flag, device):
     """--fp8_head: 1 on, 0 off, -1 where the GPU has FP8 matmuls (sm_89+: Ada, Hopper, Blackwell)."""
     return flag == 1 or flag == -1 and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -1282,20 +983,7 @@ def main(argv=None, before_clock=None):
     takes its turn on the GPU there)."""
     a = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    checkpoint, changed = None, []
-    if a.resume:  # a resumed run continues with its checkpoint's settings; flags given now win, each one listed
-        if not os.path.isfile(a.resume):
-            raise UsageError(f"--resume: no such checkpoint file: {a.resume}")
-        if not a.run_id:  # the checkpoint's own run, <log_dir>/<run_id>/state_stepN.pt, wherever that log_dir is
-            run_folder = os.path.realpath(os.path.dirname(a.resume))
-            a.run_id = os.path.basename(run_folder)
-            elsewhere = os.path.dirname(run_folder) != os.path.realpath(a.log_dir)
-            if "log_dir" not in FLAGS_GIVEN and elsewhere and os.path.exists(f"{run_folder}.txt"):  # its own log
-                a.log_dir = os.path.dirname(run_folder)
-        checkpoint = read_checkpoint(a.resume, "cpu")
-        a, changed = settings_on_resume(a, checkpoint["hyperparameters"])
-        check_args(a)
-    a.run_id = a.run_id or str(uuid.uuid4())
+    a, checkpoint, changed = run_files.run_settings(a, FLAGS_GIVEN)  # --resume: the checkpoint's, flags win
     # distributed set-up: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
     distributed = "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0))
@@ -1309,54 +997,16 @@ def main(argv=None, before_clock=None):
         torch.empty(1, device=device, requires_grad=True).backward()  # as the record: avoids a bug on some systems
     else:
         device = torch.device("cpu")
-        use_heap_for_large_tensors()
+        import_cpu_head().use_heap_for_large_tensors()
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores among the local processes
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if (a.batch_size // a.seq_len) % world_size:
         raise UsageError(f"--batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not divisible by "
                          f"{world_size} processes")
-    run_lock = check_log_target(a, writer=rank == 0)  # rank 0: the run's lock; None where another process has it
-    try:
-        if distributed:  # a rank that stops answering ends the job after dist_timeout_s instead of hanging it
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                    device_id=device if device.type == "cuda" else None,
-                                    timeout=datetime.timedelta(seconds=a.dist_timeout_s))
-        refused = rank == 0 and run_lock is None
-        if distributed:  # every rank refuses together (none waits for a rank 0 that has gone); so do unequal flags
-            flag = torch.tensor([int(refused), (d := run_files.settings_digest(a)), -d], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the ranks' digests agree iff max(d) == -max(-d)
-            if flag[1] != -flag[2]:
-                raise UsageError("the ranks were started with different settings: give every rank the same flags")
-            refused = bool(flag[0].item())
-        if refused:
-            raise UsageError(f"run {a.run_id} is training in another process on this machine: wait for it to end, "
-                             "or choose another --run_id")
-        log = Logger(a, rank == 0, sources=(__file__, run_files.__file__))
-        try:
-            code = train(a, log, rank, world_size, device, checkpoint, changed, before_clock)
-            if not log.started:  # stopped at its first validation (a NaN): its log stays only where none was
-                log.undo(keep_if_new=True)
-            if distributed:  # no rank tears its connections down while another still uses them (gloo aborted
-                dist.barrier()  # a finished job now and then: "terminate called without an active exception")
-            return code
-        except (UsageError, DataError):
-            if not log.started:  # refused before the first step: leave no trace in the logs
-                log.undo()
-            else:
-                with contextlib.suppress(OSError, DataError):  # a full disk: the one line that says why
-                    log(f"stopped: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]}", console=False)
-            raise
-        except BaseException as e:  # the log ends with why it stopped
-            with contextlib.suppress(OSError, DataError):
-                log(f"stopped: {type(e).__name__}: {e}", console=False)
-            if not log.started:
-                log.undo(keep_if_new=True)  # an earlier run's log stays as it was
-            raise
-    finally:
-        if run_lock is not None:  # first: a teardown that raises leaves no lock file behind
-            release_run_lock(run_lock)
-        if distributed and dist.is_initialized():
-            dist.destroy_process_group()
+    # the run's claim: its lock, the same settings and shards on every rank, a log that a refused start undoes
+    with run_files.claim_run(a, rank, distributed, device, sources=(__file__, run_files.__file__)) as log:
+        code = train(a, log, rank, world_size, device, checkpoint, changed, before_clock)
+        return code
 
 
 def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, changed=(), before_clock=None):
@@ -1367,16 +1017,15 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
     a = resolve_vocabulary(a)
     loader = TrainLoader(a.train_files, a.batch_size, a.seq_len, rank, world_size, a.vocab_size, a.bos_id, a.data_seed)
     val_tokens = load_val_tokens(a.val_files, a.val_tokens, a.vocab_size)
-    if shared := set(map(os.path.realpath, loader.files)) & set(map(os.path.realpath, find_shards(a.val_files))):
-        raise DataError(f"--train_files and --val_files share {min(shared)}: the run would train on its validation set")
+    run_files.check_train_val_apart(loader.files, find_shards(a.val_files))
     grad_accum = a.batch_size // a.seq_len // world_size
     if checkpoint is not None:
-        check_checkpoint_fits(a, checkpoint)
+        run_files.check_checkpoint_fits(a, checkpoint)
     if rank == 0:  # a kill during a save leaves a temporary file: the checkpoint it held never existed
         folders = {os.path.join(a.log_dir, a.run_id)} | ({os.path.dirname(a.resume)} if a.resume else set())
-        for stale in remove_dead_writers_files(folders, "state_step*.pt.*.tmp"):
+        for stale in run_files.remove_stale_saves(folders):
             log(f"removed {stale}, left by a run killed while saving")
-    if checkpoint is not None and checkpoint["step"] >= a.num_iterations:  # said, and no log written or replaced
+    if checkpoint is not None and run_files.finished_before(a, checkpoint):  # said; no log written or replaced
         log(f"nothing to train: the checkpoint is at step {checkpoint['step']}, --num_iterations is {a.num_iterations}")
         log.undo()
         return 0
@@ -1464,19 +1113,9 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
         log(f"warm-up done: {a.warmup_steps} steps" + (" and one validation row" if a.val_tokens else "")
             + ", untimed; model and optimizers reset")
 
-    start_step, training_time_ms = 0, 0.0
-    if checkpoint is not None:  # the clock and the schedule continue where they stopped
-        start_step, training_time_ms = restore_checkpoint(checkpoint, model, optimizers, loader, a.resume)
-        log(("continuing" if log.size_before is not None else f"resumed from {a.resume}")
-            + f" at step {start_step}, train_time {training_time_ms:.0f}ms"
-            + (f"; changed on the command line: {', '.join(changed)}" if changed else "; every setting as saved"))
-
-    def checkpoint_path(step):
-        return os.path.join(a.log_dir, a.run_id, f"state_step{step:06d}.pt")
-
-    # the checkpoints --keep_checkpoints rotates, newest last: this run's, and a continued run's up to its resume
-    written = [] if log.size_before is None else [
-        p for p in checkpoints_in(os.path.join(a.log_dir, a.run_id)) if checkpoint_step(p) <= start_step]
+    # the clock and the schedule continue where a checkpoint stopped; saves rotate (--keep_checkpoints)
+    saves = run_files.Checkpoints(a, log, checkpoint, model, optimizers, loader, changed)
+    start_step, training_time_ms = saves.start_step, saves.training_time_ms
 
     def synchronize():
         if device.type == "cuda":
@@ -1491,7 +1130,7 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
         torch.cuda.reset_peak_memory_stats()
     synchronize()
     t0 = time.perf_counter()
-    step, result, start_ms = start_step, None, training_time_ms
+    step, result, start_ms, stuck = start_step, None, training_time_ms, None
     while True:
         last = step == a.num_iterations
         validate = a.val_tokens > 0 and (last or (a.val_loss_every > 0 and step % a.val_loss_every == 0))
@@ -1510,6 +1149,10 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
                     f"train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / max(step, 1):.2f}ms")
                 log(f"step:{step}/{a.num_iterations} " + " ".join(f"{k}:{v:.4f}" for k, v in result.items()
                                                                   if k != "val_loss"))
+                if stuck == f"{result['val_loss']:.4f}" and step > start_step:  # not moved since the start: say so
+                    log(f"warning: val_loss is still {stuck}, as at step {start_step}: a learning rate far too large "
+                        "(or 0) leaves the model where it started")
+                stuck = f"{result['val_loss']:.4f}" if step == start_step else None
                 if not math.isfinite(result["val_loss"]):
                     log(f"stopped: val_loss is {result['val_loss']} at step {step}; "
                         "lower the learning rates or check the data")
@@ -1525,8 +1168,7 @@ def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, ch
                                                 or (last and a.save_checkpoint)):
             synchronize()
             training_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops while saving, and is saved
-            save_checkpoint(checkpoint_path(step), model, optimizers, step, loader, training_time_ms, a, written)
-            log(f"saved checkpoint {checkpoint_path(step)}")
+            saves.save(step, training_time_ms)
             t0 = time.perf_counter()
         if last:
             break

@@ -34,7 +34,7 @@ def step_time(args):
     after --): the ratios to vanilla are of medians measured in one process, under one machine load."""
     hp = tg.resolve_vocabulary(tg.parse_args(["--preset", "cpu"] + args.extra))
     loader = tg.TrainLoader(hp.train_files, hp.batch_size, hp.seq_len, 0, 1, hp.vocab_size)
-    tg.use_heap_for_large_tensors()  # as train_gpt_cplm.main does on CPU; after the checks, as it is process-wide
+    tg.import_cpu_head().use_heap_for_large_tensors()  # as train_gpt_cplm.main does on CPU; after the checks, as it is process-wide
     compiled = hp.compile == 1
     window = torch.full((), tg.window_blocks(0, hp), dtype=torch.int32)
     steps, optimizers = {}, {}

@@ -869,7 +869,7 @@ def parse_args(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    tg.use_heap_for_large_tensors()  # as train_gpt_cplm does on CPU: no page faults for every (T, T) tensor
+    tg.import_cpu_head().use_heap_for_large_tensors()  # as train_gpt_cplm does on CPU: no page faults for every (T, T) tensor
     try:
         entries = expand_checkpoints(args.checkpoints, args.step0)
         if args.command == "grad":

@@ -114,7 +114,7 @@ def bytes_per_token(log):
     key = (pattern, h["val_tokens"])
     if key not in _BYTES_PER_TOKEN:
         try:
-            vocab_size = tg.header_vocab_size([pattern])
+            vocab_size = tg.run_files.header_vocab_size([pattern])
             lengths = token_byte_lengths(os.path.dirname(pattern), vocab_size) if vocab_size else None
             if lengths is None:
                 _BYTES_PER_TOKEN[key] = None

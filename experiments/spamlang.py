@@ -759,7 +759,7 @@ def main(argv=None):
         print(f"spamlang.py: error: cannot create --out {args.out} ({e.strerror}); choose another folder",
               file=sys.stderr)
         return 1
-    tg.use_heap_for_large_tensors()
+    tg.import_cpu_head().use_heap_for_large_tensors()
     command = command_line(argv)
     print(f"spamlang: {command}", flush=True)
     t0 = time.perf_counter()

@@ -331,29 +331,6 @@ def paired_ttest_below(pairs):
     return test
 
 
-def welch_ttest_below(xs, ys):
-    """Welch's two-sample t-test of H1: mean(xs) < mean(ys), for a target that is itself an estimate (ys: the
-    runs that define it). Returns dict(t, df, p) (Welch-Satterthwaite df), or None when either has n < 2."""
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    ys = [y for y in ys if y is not None and math.isfinite(y)]
-    if len(xs) < 2 or len(ys) < 2:
-        return None
-    (mx, sx), (my, sy) = mean_std(xs), mean_std(ys)
-    vx, vy = sx * sx / len(xs), sy * sy / len(ys)
-    if vx + vy == 0.0:
-        return dict(t=None, df=None, p=None)
-    df = (vx + vy) ** 2 / (vx * vx / (len(xs) - 1) + vy * vy / (len(ys) - 1))
-    t = (my - mx) / math.sqrt(vx + vy)
-    return dict(t=t, df=df, p=students_t_sf(t, df))
-
-
-def paired_ttest_below(pairs):
-    """One-sided paired t-test of H1: x < y over (x, y) pairs (the same seed and data order), or None (n < 2)."""
-    diffs = [y - x for x, y in pairs if math.isfinite(x) and math.isfinite(y)]
-    test = one_sided_ttest_below([-d for d in diffs], 0.0)
-    return test
-
-
 # ---------------------------------------------------------------------------
 # Runs, groups and series
 # ---------------------------------------------------------------------------
@@ -815,9 +792,9 @@ def format_report(result, show_runs=None):
     ref = result["reference"]
     source = ("--step_times (ratios to vanilla's, measured in one process)" if result["step_times"] == "file"
               else "the logs' clocks (train time / steps, median over runs; noisy on a shared machine)")
-    out += [""] + _wrap(f"Steps and time to target. rule: the shortest schedule that passes (the longest that "
-                        f"fails below it); crossing: where the mean final loss meets the target between the "
-                        f"schedules run (± sd over seeds), or, for one schedule, where its mean validation curve "
+    out += [""] + _wrap("Steps and time to target. rule: the shortest schedule that passes (the longest that "
+                        "fails below it); crossing: where the mean final loss meets the target between the "
+                        "schedules run (± sd over seeds), or, for one schedule, where its mean validation curve "
                         f"does (curve). time = steps x step time over "
                         + (f"{ref['series']}'s" if ref else "the reference's") + f"; step times: {source}.")
     rows = []

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 import train_gpt_cplm as tg  # noqa: E402
 
-tg.use_heap_for_large_tensors()
+tg.import_cpu_head().use_heap_for_large_tensors()
 N, V = 1024, 50304
 u = torch.randn(1, N, V).requires_grad_()
 t = torch.randint(0, V, (1, N))
@@ -25,7 +25,7 @@ def record():
 
 
 def chunked(rows):
-    tg.VanillaLossCPU.apply(u, t, 15.0, rows).backward()
+    tg.import_cpu_head().VanillaLossCPU.apply(u, t, 15.0, rows).backward()
     u.grad = None
 
 
