@@ -382,7 +382,7 @@ def test_a_single_run_says_a_test_needs_two(tmp_path):
     r = _cli(tmp_path / "good.txt")
     assert r.returncode == 0 and "3.2000" in r.stdout
     row = next(line for line in r.stdout.splitlines() if line.startswith("CPLM n=300"))
-    assert row.split()[-2:] == ["-", "no"]
+    assert row.split()[-2:] == ["-", "untested"]
 
 
 def test_import_has_no_side_effects(capsys):

@@ -45,6 +45,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 
 DEFAULT_TARGET = 3.28
@@ -200,8 +201,9 @@ def parse_log(path):
     problem = None
     if finished and not text.endswith("\n"):
         finished, problem = False, "cut mid-line: the file does not end with a whole line"
-    elif finished and final is not None and not (final[1] == val[-1]["step"] and (final[0] is None or (
-            final[0] == round(val[-1]["loss"], 4) if math.isfinite(final[0]) else str(final[0]) == str(val[-1]["loss"])))):
+    elif finished and final is not None and not (final[1] == val[-1]["step"] and (
+            final[0] is None or (final[0] == round(val[-1]["loss"], 4) if math.isfinite(final[0])
+                                 else str(final[0]) == str(val[-1]["loss"])))):
         problem = (f"its final line (val_loss {final[0]} at step {final[1]}) disagrees with its last validation "
                    f"({val[-1]['loss']} at step {val[-1]['step']})")
     if run_id is None:
@@ -760,10 +762,11 @@ def format_report(result, show_runs=None):
     out = []
     target = result["target"]
     if result["target_from"]:
-        head = (f"target {target:.4f}: the mean final val loss of {result['target_from']!r} "
-                f"({result['n_target']} runs); it is an estimate, so Welch's one-sided two-sample t-test against "
-                f"those runs decides (p < {result['p_pass']}); the one-sample test and the test paired by seed "
-                "are beside it")
+        runs = f"{result['n_target']} run" + ("s" if result["n_target"] != 1 else "")
+        head = (f"target {target:.4f}: the mean final val loss of {result['target_from']!r} ({runs}); it is an "
+                f"estimate, so Welch's one-sided two-sample t-test against those runs decides (p < "
+                f"{result['p_pass']}); the one-sample test and the test paired by seed are beside it"
+                + ("; a test needs 2 runs or more a side" if result["n_target"] < 2 else ""))
     else:
         head = (f"target {target:.4f}, a fixed number: the one-sided one-sample t-test decides "
                 f"(mean final val loss below the target, p < {result['p_pass']}: the speedrun's record rule)")
@@ -781,7 +784,8 @@ def format_report(result, show_runs=None):
             rows.append([g["label"], n, loss, "(the target)", "", "", ""] if welch else
                         [g["label"], n, loss, "(the target)", ""])
             continue
-        verdict = "yes" if d["passed"] else ("diverged" if d["n_nonfinite"] else "no")
+        verdict = ("yes" if d["passed"] else "diverged" if d["n_nonfinite"] else "no" if d["p"] is not None
+                   else "untested")
         rows.append([g["label"], n, loss, _p(d["welch"]), _p(d["one_sample"]), _p(d["paired"]), verdict] if welch
                     else [g["label"], n, loss, _p(d["one_sample"]), verdict])
     headers = (["group", "n", "final val loss", "p Welch", "p 1-sample", "p paired", "passes"] if welch
@@ -803,7 +807,9 @@ def format_report(result, show_runs=None):
         if ref and s["name"] == ref["series"] and result["target_from"]:
             rows.append([s["name"], f"{s['rule_steps']} (defines it)", "", _f(s.get("step_ratio"), ".3f"), "1", "1"])
             continue
-        rule = "not reached" if s["rule_steps"] is None else str(s["rule_steps"])
+        tested = any(g["decision"] and g["decision"]["p"] is not None
+                     for g in result["groups"] if g["series"] == s["name"])
+        rule = str(s["rule_steps"]) if s["rule_steps"] is not None else "not reached" if tested else "untested"
         if s["rule_steps"] is not None and s["longest_failing"]:
             rule += f" ({s['longest_failing']} fails)"
         if c["steps"] is None:
@@ -992,6 +998,8 @@ def load(patterns, warn=None):
 
 
 def main(argv=None):
+    if argv is None:  # a command line piped into `head`: stop quietly when the reader goes
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
     if args.target is not None and args.target_from:
         return _error("give --target or --target_from, not both")
