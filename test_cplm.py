@@ -810,8 +810,8 @@ class _ScaledGradient(torch.autograd.Function):
 
 @pytest.mark.parametrize("fault", [None, "lse_grad_0.95"])
 def test_gpu_cp_check_runs_and_passes_on_cpu(monkeypatch, capsys, fault):
-    """tools/cuda_cp_check.py, the GPU session's reference check, run here at a small size with
-    FlexAttention's math path (its CPU device check lifted), so a rare GPU session gets a working script. A
+    """The GPU check's CUDA-against-reference check (cuda_cp_check.py), run here at a small size with
+    FlexAttention's math path (its CPU device check lifted), so the first GPU run gets a working script. A
     planted fault, the LSEs' gradients scaled by 0.95, stays inside the elementwise tolerances (bf16's) and is
     caught by the gradients' norm-wise error."""
     import torch.nn.attention.flex_attention as flex_module

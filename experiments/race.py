@@ -191,7 +191,7 @@ def finished(log_path):
 
 
 def continuation(log_dir, run_id):
-    """Flags for a run that was stopped before its end (a session ran out): resume from its newest checkpoint
+    """Flags for a run that was stopped before its end (killed, or its machine went): resume from its newest checkpoint
     (the training script resumes exactly and appends to the log), or start it again over its partial log."""
     saved = sorted(glob.glob(os.path.join(ROOT, log_dir, run_id, "state_step*.pt")))
     if saved:

@@ -423,7 +423,7 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default="records/cpu_speedrun")
     p.add_argument("--max_steps", type=int, default=0,
-                   help="run: start only runs of at most this many steps (what fits the time a session has left)")
+                   help="run: start only runs of at most this many steps (what fits the time the machine has left)")
     args = p.parse_args(argv)
     if args.jobs < 1 or args.max_steps < 0:
         p.error(f"--jobs must be >= 1 and --max_steps >= 0 (got {args.jobs}, {args.max_steps})")
