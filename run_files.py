@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -64,8 +65,8 @@ class Logger:
                 with open(self.writing, "a" if appending else "w") as f:
                     f.write(text)
             except OSError as e:
-                self.undo()
-                raise UsageError(f"{self.writing}: cannot write the log ({e.strerror})")
+                self.undo()  # a full disk or a read-only folder: the data's place, not the command line, is at fault
+                raise DataError(f"{self.writing}: cannot write the log ({e.strerror})")
 
     def __call__(self, line, console=True, console_extra=""):
         if self.path:
@@ -355,7 +356,7 @@ def remove_stale_saves(folders, pattern="state_step*.pt.*.tmp", quiet_s=60):
 
 
 SHAPE_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "no_attention_layer", "cplm", "cp_dim",
-                "cp_optimizer")  # a checkpoint only fits a run that agrees on these
+                "cp_optimizer", "copy_gate")  # a checkpoint only fits a run that agrees on these
 
 
 def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, written):
@@ -379,7 +380,9 @@ def save_checkpoint(path, model, optimizers, step, loader, training_time_ms, a, 
     except (OSError, RuntimeError) as e:  # a full disk: torch's zip writer raises RuntimeError
         if os.path.exists(tmp):
             os.remove(tmp)
-        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:120]
+        full = shutil.disk_usage(os.path.dirname(path)).free < 2 ** 20  # torch's writer says "enforce fail at ..."
+        reason = ("no space left on the disk" if full else e.strerror if isinstance(e, OSError)
+                  else str(e).splitlines()[0][:120])
         raise DataError(f"{path}: cannot save the checkpoint ({reason}); the run stops here, and the previous "
                         "checkpoint is intact")
     written.append(path)
@@ -453,6 +456,9 @@ def read_checkpoint(path, device, verify=True, mmap=False, resumable=True):
     except FileNotFoundError:
         raise DataError(f"{path}: no such checkpoint file")
     except Exception as e:  # a truncated file, another format, missing keys: all the same to the user
+        if re.search(r"unsupported global", str(e), re.I):  # torch's advice (weights_only=False) would run what the file holds
+            raise DataError(f"{path}: holds objects other than tensors and settings; refused, since loading them "
+                            "could run code (this script's checkpoints hold none)")
         raise DataError(f"{path}: not a readable checkpoint of this script "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
     saved_digest = state.get("digest") if verify else None
@@ -487,11 +493,13 @@ def check_checkpoint_fits(a, state):
     """A checkpoint fits only a model of the same shape and mode, and continues only on the bytes it trained and
     validated on (a checkpoint from before the shards' hashes were saved is not checked for them)."""
     saved = state["hyperparameters"]
-    differ = [f"{f} {saved.get(f)!r} -> {getattr(a, f)!r}" for f in SHAPE_FIELDS if saved.get(f) != getattr(a, f)]
+    differ = [f"{f} {saved[f]!r} -> {getattr(a, f)!r}" for f in SHAPE_FIELDS
+              if f in saved and saved[f] != getattr(a, f)]
     if differ:
         raise DataError(f"--resume {a.resume}: the checkpoint's model differs from this run's: {', '.join(differ)}")
     now = shard_hashes(a)
-    changed = [split for split in ("train", "val") if split in state.get("shards", {}) and state["shards"][split] != now[split]]
+    saved_shards = state.get("shards", {})
+    changed = [split for split in ("train", "val") if split in saved_shards and saved_shards[split] != now[split]]
     if changed:
         raise DataError(f"--resume {a.resume}: the {' and '.join(changed)} shards' bytes differ from those the "
                         "checkpoint trained on (their sha256): resume on the same data, or start a new run")
@@ -613,6 +621,8 @@ def check_args(a, given=()):
     intervals = ("val_loss_every", "train_loss_every", "checkpoint_every", "warmup_steps", "target_val_loss")
     need(all(getattr(a, f) >= 0 for f in intervals), "must be >= 0: " + ", ".join(
         f"--{f} {getattr(a, f)}" for f in intervals if not getattr(a, f) >= 0))  # nan too
+    need(math.isfinite(a.target_val_loss), f"--target_val_loss must be a finite loss (0: none), not "
+         f"{a.target_val_loss}")
     need(a.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1")
     need(re.fullmatch(r"[\w.-]*", a.run_id) is not None and a.run_id not in (".", ".."),
          f"--run_id {a.run_id!r} must be a plain name (letters, digits, '.', '_', '-'): it names files")

@@ -616,7 +616,7 @@ def test_requirements_state_the_need_and_ci_pins_the_cpu_build():
     ci = (Path(ROOT) / ".ci" / "run").read_text().strip().splitlines()
     install = [l for l in ci if "pip install" in l]
     assert len(install) == 1 and "-r requirements.txt" in install[0] and "-c .ci/constraints.txt" in install[0]
-    # README's first code block is exactly the two commands, and CI runs the second
+    # README's first code block is exactly the commands (the run, the tests, the help), and CI runs the tests
     block = re.search(r"```\n(.*?)```", (Path(ROOT) / "README.md").read_text(), re.S).group(1)
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
-    assert commands == ["bash run.sh", "bash run.sh test"] and ci[-1] == "bash run.sh test"
+    assert commands == ["bash run.sh", "bash run.sh test", "bash run.sh --help"] and ci[-1] == "bash run.sh test"

@@ -359,3 +359,25 @@ def test_resume_checks_flags_against_the_checkpoints_settings(tmp_path, monkeypa
     assert (merged.batch_size, merged.seq_len, merged.cplm, merged.copy_gate_init) == (4096, 4096, 1, 0.0)
     assert changed == ["--seq_len 1024 -> 4096",
                        "--copy_gate_init 0.5 ignored (the checkpoint's weights are loaded)"]
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo ran > /dev/null",))
+
+
+def test_the_small_refusals_say_what_is_wrong(toy_data, tmp_path):
+    """A hostile tester's cosmetics: a malicious checkpoint's message quoted torch's advice to load it with
+    weights_only=False; resuming a CPLM checkpoint as the sentinel was "Error(s) in loading state_dict";
+    --target_val_loss inf was "reached at step 0"."""
+    evil = tmp_path / "evil.pt"
+    torch.save({"step": 1, "model": _RunsCode()}, evil)
+    with pytest.raises(tg.DataError, match="could run code") as e:
+        run_files.read_checkpoint(str(evil), "cpu")
+    assert "weights_only" not in str(e.value)
+    logs = tmp_path / "logs"
+    assert tg.main(tiny_flags(toy_data, logs, num_iterations=2, save_checkpoint=1, cplm=1)) == 0
+    with pytest.raises(tg.DataError, match="copy_gate 'lm' -> 'sentinel'"):
+        tg.main(["--resume", str(logs / "run" / "state_step000002.pt"), "--run_id", "s", "--copy_gate", "sentinel"])
+    with pytest.raises(tg.UsageError, match="--target_val_loss must be a finite loss"):
+        tg.parse_args(tiny_flags(toy_data, logs, target_val_loss="inf"))
