@@ -24,7 +24,10 @@ no training; (theta, lambda) minimise the tuning slice's loss over a grid, then 
 Writes <out>.json (one record per checkpoint: its losses, per-document sums for intervals over documents, and
 the scorer's version) and <out>.md (a table), and prints the table.
 """
+import contextlib
+import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
@@ -246,11 +249,115 @@ def slice_key(test_start, test_tokens, documents):
     return ["documents", *documents] if documents else [test_start, test_tokens]
 
 
-def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
+def read_checked(path, mmap=False):
+    """(its run's Hyperparameters, step, weights) of a checkpoint (inference.read_model_checkpoint), refused in one
+    line (EvalError) unless its settings are a run's: each of its field's type, together passing the checks every
+    run passes at its start, and describing the weights it holds. A crafted file must fail here, not as a
+    TypeError in the model's constructor (num_layers "x"), a ZeroDivisionError in the scoring (a vanilla run with
+    no tuning slice) or an allocation the machine cannot hold (num_layers 1000 over the weights of 4)."""
     try:
-        model, hp, step = inference.load_model(path)
+        a, step, weights = inference.read_model_checkpoint(path, mmap=mmap)
     except tg.DataError as e:
         raise EvalError(str(e))
+    except (AttributeError, TypeError) as e:  # weights that are not tensors, past read_checkpoint's own checks
+        raise EvalError(f"{path}: not a checkpoint of this script ({type(e).__name__}: {str(e)[:200]})")
+    defaults = tg.Hyperparameters()
+
+    def fits(value, default):  # argparse gave every saved setting its field's type (bool is no int here)
+        kind = (int, float) if isinstance(default, float) else type(default)
+        return isinstance(value, kind) and not isinstance(value, bool)
+    kinds = {int: "an integer", float: "a number", str: "a string"}
+    wrong = [f"{f.name} {getattr(a, f.name)!r} is not {kinds[type(getattr(defaults, f.name))]}"
+             for f in dataclasses.fields(a) if not fits(getattr(a, f.name), getattr(defaults, f.name))]
+    if wrong:
+        raise EvalError(f"{path}: its hyperparameters are not a run's settings: {', '.join(wrong)}")
+    try:  # scored on the dense paths: a GPU run's cp_backend "flex" is no reason to refuse it on a CPU
+        run_files.check_args(dataclasses.replace(a, cp_backend="dense"))
+    except tg.UsageError as e:
+        raise EvalError(f"{path}: its hyperparameters fail the training script's checks ({e})")
+    if step > a.num_iterations:  # the window's schedule is step / num_iterations: no run saves past its end
+        raise EvalError(f"{path}: step {step} is past its run's num_iterations {a.num_iterations}")
+    if mode_of(a) == "vanilla" and a.val_tokens == 0:
+        raise EvalError(f"{path}: its run has val_tokens 0, so no tuning slice for the neural cache's theta and lambda")
+    embed = weights.get("embed.weight")
+    blocks = {k.split(".")[1] for k in weights if k.startswith("blocks.")}
+    if not torch.is_tensor(embed) or tuple(embed.shape) != (a.vocab_size, a.model_dim) or len(blocks) != a.num_layers:
+        raise EvalError(f"{path}: its hyperparameters (vocab_size {a.vocab_size}, model_dim {a.model_dim}, num_layers "
+                        f"{a.num_layers}) do not describe its weights (embed "
+                        f"{tuple(embed.shape) if torch.is_tensor(embed) else 'not a tensor'}, {len(blocks)} blocks)")
+    return a, step, weights
+
+
+def load_model(path):
+    """inference.load_model with the settings checked (read_checked) before the model is built."""
+    a, step, weights = read_checked(path)
+    model = tg.GPT(tg.GPTConfig.from_args(a))
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise EvalError(f"{path}: its weights do not fit the model its hyperparameters describe "
+                        f"({str(e).splitlines()[0][:200]})")
+    return model.eval(), a, step
+
+
+def file_key(path):
+    """(size and modification time, device and inode): a checkpoint rewritten since it was scored differs in the
+    first; a hard link of a scored checkpoint has its inode."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns], [st.st_dev, st.st_ino]
+
+
+# Which run a record belongs to. A run re-trained under its run_id (--overwrite, or deleted by hand and trained
+# again) replaces the old one, whose scores must go; a live run's --keep_checkpoints deletes its older checkpoints,
+# whose scores stay. The checkpoints' content cannot tell these apart (the checkpoints of one run share no bytes:
+# each step's weights differ, and the older ones are gone); the run's log can: a run only ever appends to
+# <log_dir>/<run_id>.txt (a resume too), and a new run under that run_id writes a new one. So a record keeps the
+# log's size and sha256 when it was scored, and goes once the log no longer starts with those bytes.
+
+
+def run_log(path, run_id):
+    """The log of the run that saved this checkpoint, <log_dir>/<run_id>.txt beside its folder <log_dir>/<run_id>/
+    (a linked folder: beside the link, else beside its target); None outside a run's folder (set aside, copied)."""
+    for folder in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.realpath(path))):
+        log = os.path.join(os.path.dirname(folder), f"{run_id}.txt")
+        if os.path.basename(folder) == run_id and os.path.isfile(log):
+            return log
+    return None
+
+
+def log_identity(path, run_id):
+    """The run's log as it is now (its name, size and sha256), or None where the checkpoint has none."""
+    log = run_log(path, run_id)
+    if log is None:
+        return None
+    try:
+        with open(log, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return {"name": checkpoint_name(log), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def replaced_run(record):
+    """True for a record of a run replaced since it was scored: its log no longer starts with the bytes it had
+    then, or its checkpoint was moved to <run folder>/replaced_<time>/ by an --overwrite (of the whole run, or of
+    the branch after a resumed step: the log is appended to, and that branch's checkpoints are set aside)."""
+    log = record.get("log")
+    if log:
+        try:
+            with open(on_disk(log["name"]), "rb") as f:
+                if hashlib.sha256(f.read(log["bytes"])).hexdigest() != log["sha256"]:
+                    return True
+        except OSError:  # the log deleted or packed away, and no new one: nothing says the run was replaced
+            pass
+    path = on_disk(record["checkpoint"])
+    return not os.path.exists(path) and any(
+        file_key(old)[0] == record["file"]  # os.replace keeps the size and modification time
+        for old in glob.glob(os.path.join(glob.escape(os.path.dirname(path)), "replaced_*", os.path.basename(path))))
+
+
+def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
+    model, hp, step = load_model(path)
     inference.use_dense_paths(model)
     tuning, test, n_documents = slices(hp, test_start, test_tokens, documents)
     lengths = token_bytes(hp)
@@ -261,10 +368,13 @@ def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
         raise EvalError(f"{path}: the slice holds token ids that the corpus's tokenizer.json lacks")
     n_bytes = int(lengths[test[1:]].sum()) if lengths is not None else None
     mode = mode_of(hp)
+    file, inode = file_key(path)
     record = {"checkpoint": checkpoint_name(path), "run_id": hp.run_id,
               "step": step, "mode": mode, "seed": hp.seed, "vocab_size": hp.vocab_size,
-              "test_documents": n_documents, "file": file_id(path),
+              "test_documents": n_documents, "file": file, "inode": inode, "log": log_identity(path, hp.run_id),
               "slice": slice_key(test_start, test_tokens, documents), "scored_by": SCORED_BY}
+    if record["log"] is None:
+        del record["log"]
     if mode != "vanilla":
         test_sums = score(model, hp, step, test, with_cache=False)
         record["test"] = {**summary(test_sums, n_bytes), "per_document": per_document(test_sums)}
@@ -280,66 +390,83 @@ def evaluate_checkpoint(path, test_start, test_tokens, documents=None):
     return record
 
 
+def slice_name(slice_):
+    return (f"--test_documents {slice_[1]}:{slice_[2]}" if slice_[0] == "documents" else
+            f"--test_start {slice_[0]} --test_tokens {slice_[1]}")
+
+
 def markdown(records, command):
     fmt = lambda x, key: f"{x[key]:.4f}" if x and key in x else "-"  # noqa: E731
+    slice_of = lambda r: tuple(r.get("slice", ()))  # noqa: E731  (records older than the field: one slice)
+    several = len({slice_of(r) for r in records}) > 1  # then each row says its slice
     lines = [f"    {command}", "", "| run | step | mode | V | test loss | bits/byte | copyable | other | "
-             "+ neural cache (theta, lambda) | cache: bits/byte | cache: copyable | cache: other |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "+ neural cache (theta, lambda) | cache: bits/byte | cache: copyable | cache: other |"
+             + (" slice |" if several else ""), "|---|---|---|---|---|---|---|---|---|---|---|---|"
+             + ("---|" if several else "")]
     for r in records:
         t, c = r["test"], r.get("cache")
         cache = f"{c['loss']:.4f} ({c['theta']}, {c['lambda']})" if c else ""
         lines.append(f"| {r['run_id']} | {r['step']} | {r['mode']} | {r.get('vocab_size', '-')} | {t['loss']:.4f} | "
                      f"{fmt(t, 'bits_per_byte')} | {t['copyable']:.4f} | {t['other']:.4f} | {cache} | "
                      f"{fmt(c, 'bits_per_byte') if c else ''} | {fmt(c, 'copyable') if c else ''} | "
-                     f"{fmt(c, 'other') if c else ''} |")
+                     f"{fmt(c, 'other') if c else ''} |" + (f" {slice_name(slice_of(r))} |" if several else ""))
     groups = {}
-    for r in records:  # the seeds of one configuration: its run_id without the _s<seed> suffix
+    for r in records:  # the seeds of one configuration on one slice: its run_id without the _s<seed> suffix
         name = re.sub(rf"_s{r['seed']}$", "", r["run_id"])
-        groups.setdefault((name, r["mode"], r.get("vocab_size"), r["step"]), []).append(r)
+        groups.setdefault((name, r["mode"], r.get("vocab_size"), r["step"], slice_of(r)), []).append(r)
     if any(len(g) > 1 for g in groups.values()):
         lines += ["", "Mean over seeds (sample standard deviation):", "",
                   "| configuration | step | seeds | test loss | bits/byte | + neural cache | cache: bits/byte |",
                   "|---|---|---|---|---|---|---|"]
-        for (name, _, _, step), rs in groups.items():
+        for (name, _, _, step, slice_), rs in groups.items():
             def stat(values):
                 if any(v is None for v in values):
                     return "-"
                 return race_report.pm(*race_report.compare.mean_std(values), ".4f")
             pick = lambda part, key: [(r.get(part) or {}).get(key) for r in rs]  # noqa: E731
-            lines.append(f"| {name} | {step} | {','.join(str(r['seed']) for r in rs)} | {stat(pick('test', 'loss'))} "
+            label = f"{name} ({slice_name(slice_)})" if several else name
+            seeds = [r["seed"] for r in rs]
+            if len(set(seeds)) < len(seeds):  # two runs claim one seed: they are not two samples
+                lines.append(f"| {label} | {step} | {','.join(map(str, seeds))} | a seed repeated: not averaged "
+                             "| - | - | - |")
+                continue
+            lines.append(f"| {label} | {step} | {','.join(map(str, seeds))} | {stat(pick('test', 'loss'))} "
                          f"| {stat(pick('test', 'bits_per_byte'))} | {stat(pick('cache', 'loss'))} | "
                          f"{stat(pick('cache', 'bits_per_byte'))} |")
-    pairs = paired_gaps(groups)
+    pairs = paired_gaps(groups, several)
     if pairs:
         lines += ["", "Gaps over the seeds both ran (mean +- sd of the per-seed differences, nats per token and bits "
                   "per byte; p: one-sided paired t-test of gap > 0):", "",
                   "| configuration | step | seeds | vanilla - it | bits/byte | p | vanilla + neural cache - it | "
                   "bits/byte | p |", "|---|---|---|---|---|---|---|---|---|"]
         lines += pairs
-    slice_of = {}  # V -> the slice in its tokens (with --test_documents: the same documents under every V)
+    described = {}  # (V, slice) -> the slice in V's tokens (with --test_documents: the same documents under every V)
     for r in [r for r in records if "vocab_size" in r] or records:  # records older than the field: the others
         t = r["test"]
-        if r.get("vocab_size") not in slice_of:
-            slice_of[r.get("vocab_size")] = (f"{t['tokens']} targets in {r['test_documents']} whole documents"
-                                             f"{', %d bytes' % t['bytes'] if 'bytes' in t else ''}, "
-                                             f"{t['copy_share']:.1%} of the targets copyable")
-    if len(slice_of) == 1:
-        lines += ["", f"Test slice: {next(iter(slice_of.values()))}."]
-    elif slice_of:
-        lines += ["", "Test slice, under each tokenizer:", ""]
-        lines += [f"- V = {vocab}: {text}" for vocab, text in slice_of.items()]
+        if (r.get("vocab_size"), slice_of(r)) not in described:
+            described[(r.get("vocab_size"), slice_of(r))] = (
+                f"{t['tokens']} targets in {r['test_documents']} whole documents"
+                f"{', %d bytes' % t['bytes'] if 'bytes' in t else ''}, {t['copy_share']:.1%} of the targets copyable")
+    if len(described) == 1:
+        lines += ["", f"Test slice: {next(iter(described.values()))}."]
+    elif described:
+        lines += ["", "Test slice, under each tokenizer:" if not several else "Test slices:", ""]
+        lines += [f"- {slice_name(slice_) + ', ' if several else ''}V = {vocab}: {text}"
+                  for (vocab, slice_), text in described.items()]
     return "\n".join(lines) + "\n"
 
 
-def paired_gaps(groups):
+def paired_gaps(groups, several=False):
     """Table rows: each CPLM or sentinel configuration against its vanilla partner (race.py's names: the mode's
-    word replaced by "vanilla"; the same V and step), over the seeds both have."""
+    word replaced by "vanilla"; the same V, step and slice), over the seeds both have."""
     rows = []
-    for (name, mode, vocab, step), rs in groups.items():
-        partner = groups.get((re.sub(rf"(^|_){mode}(_|$)", r"\1vanilla\2", name), "vanilla", vocab, step))
+    for (name, mode, vocab, step, slice_), rs in groups.items():
+        partner = groups.get((re.sub(rf"(^|_){mode}(_|$)", r"\1vanilla\2", name), "vanilla", vocab, step, slice_))
         if mode == "vanilla" or not partner:
             continue
         mine, theirs = {r["seed"]: r for r in rs}, {r["seed"]: r for r in partner}
+        if len(mine) < len(rs) or len(theirs) < len(partner):
+            continue  # a seed repeated on either side: no pairing (the means table says so)
         seeds = sorted(set(mine) & set(theirs))
         if not seeds:
             continue
@@ -356,8 +483,127 @@ def paired_gaps(groups):
             has_bytes = all("bits_per_byte" in x[s][k] for s in seeds for x, k in ((theirs, part), (mine, "test")))
             cells += [race_report.pm(m, sd, ".4f"), race_report.pm(*gap("bits_per_byte")[:2], ".4f") if has_bytes
                       else "-", "-" if p is None else f"{p:.2g}"]
-        rows.append(f"| {name} | {step} | {','.join(map(str, seeds))} | {' | '.join(cells)} |")
+        label = f"{name} ({slice_name(slice_)})" if several else name
+        rows.append(f"| {label} | {step} | {','.join(map(str, seeds))} | {' | '.join(cells)} |")
     return rows
+
+
+def read_done(path):
+    """The records of an earlier OUT.json (--keep_done), refused in one line (EvalError) unless each has the
+    fields this script reads, of their types: the file is then left as it is."""
+    def bad(why):
+        return EvalError(f"--keep_done: {path} is not this script's output ({why}); move it away, or choose another "
+                         "--out")
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except OSError as e:
+        raise EvalError(f"--keep_done: {path}: cannot read it ({e.strerror})")
+    except ValueError as e:  # not UTF-8, not JSON
+        raise bad(f"not JSON: {str(e)[:100]}")
+    records = data.get("records") if isinstance(data, dict) else None
+    if not isinstance(records, list):
+        raise bad("no list of records")
+    for i, r in enumerate(records):
+        if problem := record_problem(r):
+            raise bad(f"record {i}: {problem}")
+    return records
+
+
+NUMBER, INTEGER = "a number", "an integer"
+RECORD_FIELDS = {"checkpoint": str, "run_id": str, "mode": str, "step": INTEGER, "seed": INTEGER,
+                 "test_documents": INTEGER, "test": dict}
+OPTIONAL_FIELDS = {"vocab_size": INTEGER, "file": list, "inode": list, "slice": list, "log": dict, "cache": dict}
+PART_FIELDS = {"test": {"loss": NUMBER, "copyable": NUMBER, "other": NUMBER, "copy_share": NUMBER, "tokens": INTEGER},
+               "cache": {"loss": NUMBER, "copyable": NUMBER, "other": NUMBER, "theta": NUMBER, "lambda": NUMBER},
+               "log": {"name": str, "bytes": INTEGER, "sha256": str}}
+OPTIONAL_PART_FIELDS = {"test": {"bytes": INTEGER, "bits_per_byte": NUMBER}, "cache": {"bits_per_byte": NUMBER}}
+
+
+def record_problem(r):
+    """What is wrong with one record of OUT.json (a field this script reads missing, or not of its type), or None."""
+    def is_a(value, kind):
+        if kind in (NUMBER, INTEGER):
+            return isinstance(value, int if kind == INTEGER else (int, float)) and not isinstance(value, bool)
+        return isinstance(value, kind)
+
+    def check(fields, where, required):
+        for key, kind in fields.items():
+            if (required or key in where) and not is_a(where.get(key), kind):
+                return f"{key} {where.get(key)!r:.60} is not {kind if isinstance(kind, str) else 'a ' + kind.__name__}"
+    if not isinstance(r, dict):
+        return f"a {type(r).__name__}, not an object"
+    problem = check(RECORD_FIELDS, r, True) or check(OPTIONAL_FIELDS, r, False)
+    for part in PART_FIELDS:
+        if part in r and not problem:
+            problem = (check(PART_FIELDS[part], r[part], True)
+                       or check(OPTIONAL_PART_FIELDS.get(part, {}), r[part], False))
+            problem = problem and f"{part}: {problem}"
+    if problem:
+        return problem
+    for key in ("file", "inode"):
+        if key in r and not (len(r[key]) == 2 and all(is_a(x, INTEGER) for x in r[key])):
+            return f"{key} {r[key]!r:.60} is not two integers"
+    if "slice" in r and not all(isinstance(x, (str, int)) for x in r["slice"]):
+        return f"slice {r['slice']!r:.60} is not a list of numbers and names"
+    if "\0" in r["checkpoint"] + r.get("log", {}).get("name", ""):
+        return "a file name holds a NUL byte"
+    return None
+
+
+def plan(paths, done, this_slice):
+    """(the records of OUT.json that stay, [(checkpoint, its record to reuse or None: score it)]). A checkpoint is
+    its file, whatever the path to it (through a linked folder, or a hard link: its realpath or inode), named once;
+    a record is reused where its file is unchanged since (size, modification time) on the same slice. Every other
+    record stays (other slices, checkpoints not named now or rotated away by their live run), except those of
+    checkpoints rewritten since, and of runs replaced since (replaced_run)."""
+    kept, seen = [], set()
+    for r in done:
+        if "file" not in r or "slice" not in r or replaced_run(r):  # older records: scored again
+            continue
+        key = (os.path.realpath(on_disk(r["checkpoint"])), tuple(r["file"]), tuple(r["slice"]))
+        if key not in seen:  # the same checkpoint under two names (an earlier version's output): once
+            seen.add(key)
+            kept.append(r)
+    named, inodes = [], {}
+    for path in paths:
+        try:
+            file, inode = file_key(path)
+        except FileNotFoundError:
+            print(f"test_slice.py: {path} is gone (rotated away by its run): skipped", file=sys.stderr)
+            continue
+        if tuple(inode) in inodes:
+            print(f"test_slice.py: {path} is {inodes[tuple(inode)]} (a link to it): scored once", file=sys.stderr)
+            continue
+        inodes[tuple(inode)] = path
+        named.append((path, os.path.realpath(path), file, inode))
+
+    def same(r, real, file, inode):  # the record's checkpoint is this one: by its path, or a hard link unchanged
+        return tuple(r["slice"]) == this_slice and (os.path.realpath(on_disk(r["checkpoint"])) == real or
+                                                    (r.get("inode") == inode and r["file"] == file))
+    todo = [(path, next((r for r in kept if same(r, real, file, inode) and r["file"] == file), None))
+            for path, real, file, inode in named]
+    kept = [r for r in kept if not any(same(r, *checkpoint[1:]) for checkpoint in named)
+            and file_id(on_disk(r["checkpoint"]), missing=r["file"]) == r["file"]]
+    return kept, todo
+
+
+def write_outputs(out, command, records):
+    """OUT.json and OUT.md, each whole or not at all: both written to temporary files first, then renamed."""
+    texts = {".json": json.dumps({"command": command, "records": records}, indent=1), ".md": markdown(records, command)}
+    written = []
+    try:
+        for ext, text in texts.items():
+            written.append(f"{out}{ext}.{os.getpid()}.tmp")
+            with open(written[-1], "w") as f:
+                f.write(text)
+        for ext, tmp in zip(texts, written):
+            os.replace(tmp, out + ext)
+    except OSError as e:
+        for tmp in written:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        raise EvalError(f"--out {out}: cannot write {e.filename} ({e.strerror})")
 
 
 def main(argv=None):
@@ -372,7 +618,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--keep_done", type=int, default=0, choices=(0, 1),
                    help="1: reuse OUT.json's records of checkpoints scored on the same slice and not rewritten since "
-                        "(a run still training: score its new checkpoints only)")
+                        "(a run still training: score its new checkpoints only); the records of a run trained again "
+                        "under its run_id go")
     args = p.parse_args(argv)
     if args.test_tokens < 1 or args.test_start < 0 or not 0 <= args.threads <= 1024:
         p.error("--test_tokens must be >= 1, --test_start >= 0, --threads in 0..1024")
@@ -400,36 +647,24 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     command = "python experiments/test_slice.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    records, done = [], {}
     this_slice = tuple(slice_key(args.test_start, args.test_tokens, documents))
     try:
-        paths = expand(args.checkpoints)
-    except EvalError as e:
-        print(f"test_slice.py: error: {e}", file=sys.stderr)
-        return 1
-    if args.keep_done and os.path.isfile(args.out + ".json"):
-        try:
-            done = {(r["checkpoint"], tuple(r["file"]), tuple(r["slice"])): r  # older records: scored again
-                    for r in json.load(open(args.out + ".json"))["records"] if "file" in r and "slice" in r}
-        except (ValueError, KeyError, TypeError) as e:
-            print(f"test_slice.py: error: --keep_done: {args.out}.json is not this script's output ({e})",
-                  file=sys.stderr)
-            return 1
-        # every other score stays (other slices, checkpoints not named now or rotated away since), except one of
-        # bytes that are gone: a checkpoint rewritten since it was scored (an overwritten run)
-        now = {(checkpoint_name(p), this_slice) for p in paths}
-        records = [r for (name, file, slice_), r in done.items()
-                   if (name, slice_) not in now and file_id(on_disk(name), missing=file) == list(file)]
-    try:
-        for path in paths:
-            if not os.path.exists(path):  # a live run's checkpoint rotated away before its turn
+        done = read_done(args.out + ".json") if args.keep_done and os.path.isfile(args.out + ".json") else []
+        records, todo = plan(expand(args.checkpoints), done, this_slice)
+        for path, reuse in todo:  # every checkpoint to score is checked before any is scored: a bad one, and
+            try:  # nothing is written (a mmap: its settings, not its weights)
+                if reuse is None:
+                    read_checked(path, mmap=True)
+            except EvalError:
+                if os.path.exists(path):
+                    raise  # (one that is gone: skipped at its turn)
+        for path, reuse in todo:
+            if reuse is None and not os.path.exists(path):  # a live run's checkpoint rotated away before its turn
                 print(f"test_slice.py: {path} is gone (rotated away by its run while others were scored): skipped",
                       file=sys.stderr)
                 continue
-            key = (checkpoint_name(path), tuple(file_id(path, missing=[-1, -1])), this_slice)
             try:
-                records.append(done.get(key) or evaluate_checkpoint(path, args.test_start, args.test_tokens,
-                                                                    documents))
+                records.append(reuse or evaluate_checkpoint(path, args.test_start, args.test_tokens, documents))
             except (EvalError, tg.DataError):
                 if os.path.exists(path):
                     raise
@@ -437,11 +672,7 @@ def main(argv=None):
                       file=sys.stderr)
                 continue
             print(json.dumps(records[-1]), flush=True)
-            for ext, text in ((".json", json.dumps({"command": command, "records": records}, indent=1)),
-                              (".md", markdown(records, command))):  # after each checkpoint: nothing lost
-                with open(args.out + ext + ".tmp", "w") as f:
-                    f.write(text)
-                os.replace(args.out + ext + ".tmp", args.out + ext)
+            write_outputs(args.out, command, records)  # after each checkpoint: nothing lost
     except (EvalError, tg.DataError) as e:
         print(f"test_slice.py: error: {e}", file=sys.stderr)
         return 1
