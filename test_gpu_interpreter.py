@@ -1,6 +1,6 @@
 """The CUDA CP loss compiled as for an H200 (FlexAttention's Triton templates with the sm_90 configs, inductor's
 Triton kernels), forward and backward, run on the CPU in Triton's interpreter against the dense reference:
-tools/cuda_cp_check.py's own main() (its inputs, reference() and tolerances), two passes as it makes.
+gpu_check/cuda_cp_check.py's own main() (its inputs, reference() and tolerances), two passes as it makes.
 
 How: inductor with cpu_backend="triton", under preflight._as_gpu() (codegen needs an active Triton driver). Each
 FlexAttention lowering runs with every IR node reporting CUDA, so it takes its Triton template with the sm_90
@@ -229,7 +229,7 @@ def main(argv):
     a = ap.parse_args(argv)
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (test_gpu_interpreter.run_check)"
     sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.join(HERE, "tools"))
+    sys.path.insert(0, os.path.join(HERE, "gpu_check"))
     import torch._inductor.config as inductor_config
     import torch.nn.attention.flex_attention as flex_module
     import unittest.mock

@@ -1,7 +1,7 @@
 """The GPU pre-flight to machine code, on a CPU machine: every FlexAttention kernel that the speedrun preset
 compiles on a GPU, in both modes, rendered by inductor at the preset's shapes with the CUDA heuristics of each
 card (an H200, sm_90; an A100, sm_80; an RTX 4090, sm_89, as the L4 and L40S) and compiled to its machine code
-by Triton's bundled ptxas (tools/preflight.py: `lower(sm90=True)` under `card(name)`, `compile_cubin`). Each
+by Triton's bundled ptxas (gpu_check/preflight.py: `lower(sm90=True)` under `card(name)`, `compile_cubin`). Each
 must fit its card's shared memory a block, or it would not launch; the CP head's kernels must not spill.
 
 Needs Triton (the CUDA wheels of torch bring it; with the CPU build, `pip install triton==3.6.0`); skipped
@@ -17,7 +17,7 @@ import torch
 import train_gpt_cplm as tg
 
 pytest.importorskip("triton", reason="the sm_90 pre-flight needs Triton: pip install triton==3.6.0")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check"))
 import preflight  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -127,7 +127,7 @@ def test_the_memory_reading_ends_a_backward_with_the_gradients_to_the_byte(cplm)
 def test_every_kernel_of_a_training_step_compiles_for_the_card(name):
     """Beyond the FlexAttention kernels: every Triton kernel inductor's CUDA path makes for a CPLM training step
     (pointwise, reductions, FlexAttention's templates with what inductor fused into them), compiled for the card
-    at a small size (2 layers, 1024-token rows; the preset's: `python3 tools/preflight.py every`), each within its
+    at a small size (2 layers, 1024-token rows; the preset's: `python3 gpu_check/preflight.py every`), each within its
     shared memory a block."""
     with preflight.card(name) as gpu:
         model = preflight.cuda_path_model(1, 1024, num_layers=2)

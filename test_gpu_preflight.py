@@ -1,4 +1,4 @@
-"""GPU pre-flight on CPU (tools/preflight.py): every graph the CUDA path compiles is pushed through
+"""GPU pre-flight on CPU (gpu_check/preflight.py): every graph the CUDA path compiles is pushed through
 inductor's lowering, and must stop only where a GPU is needed (Triton, a CUDA device query), never at a
 lowering error. Tracing alone (test_cplm.py's aot_eager test) cannot see a lowering failure."""
 import contextlib
@@ -14,7 +14,7 @@ import torch
 
 import train_gpt_cplm as tg
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check"))
 import preflight  # noqa: E402
 
 BOS, VOCAB = 499, 500
@@ -128,7 +128,7 @@ def test_preflight_reports_a_lowering_error():
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-FIRST_CALL = [sys.executable, "tools/first_call.py"]
+FIRST_CALL = [sys.executable, "gpu_check/first_call.py"]
 
 
 def toy_shards(folder):
@@ -146,7 +146,7 @@ def toy_shards(folder):
 
 
 def start_first_call(tmp_path, inject, deadline, shards=True, pairs=0):
-    """tools/first_call.py --dry_run (CPU, tiny, 4 timed steps, `pairs` pairs of re-runs) with its work folder
+    """gpu_check/first_call.py --dry_run (CPU, tiny, 4 timed steps, `pairs` pairs of re-runs) with its work folder
     under tmp_path/tmp; without shards, --data names a folder that does not exist."""
     if shards:
         toy_shards(tmp_path / "data")
@@ -335,7 +335,7 @@ def test_first_call_with_bad_data_says_how_to_make_it(tmp_path):
         r = subprocess.run(FIRST_CALL + ["--dry_run", "--out", str(tmp_path / "out"), "--data", str(data)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and problem in r.stderr, r.stderr
-        assert "python3 tools/prepare_gpu_data.py" in r.stderr
+        assert "python3 gpu_check/prepare_gpu_data.py" in r.stderr
         assert not (tmp_path / "out").exists()
 
 
@@ -357,7 +357,7 @@ def test_first_call_packs_across_filesystems(tmp_path, monkeypatch):
     copied in; $OUT still holds only the two files."""
     import errno
     import tarfile
-    import first_call  # tools/, beside preflight
+    import first_call  # gpu_check/, beside preflight
     (tmp_path / "out").mkdir()
     (tmp_path / "work" / "logs").mkdir(parents=True)
     (tmp_path / "work" / "logs" / "vanilla.stdout").write_text("warm-up done\n")
@@ -377,7 +377,7 @@ def test_synthetic_documents_look_like_the_prepared_ones():
     tokens; sum L^2 / T^2 near their 0.055 at 48Ki-token rows, which sets the CP sums' cost), each starting with
     BOS, GPT-2 ids below it, about 2/3 of tokens seen earlier in their document (FineWeb-Edu: about 60%)."""
     import numpy as np
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "gpu_check"))
     from prepare_gpu_data import concentration, synthetic_tokens
     tokens = synthetic_tokens(20 * 49152, np.random.default_rng(0))
     assert len(tokens) == 20 * 49152 and tokens[0] == 50256 and tokens.max() == 50256

@@ -1,8 +1,8 @@
 """FineWeb-like shards for the GPU check (and CPU benchmarks): real English text in GPT-2 tokens, cut into
 documents whose lengths follow a stated distribution, one BOS (50256) each, in the speedrun's shard format.
 
-    python3 tools/prepare_gpu_data.py                        # .gpu_data/ (git-ignored), ~6 MB
-    python3 tools/prepare_gpu_data.py --out_dir data/fineweb_like --train_tokens 20000000
+    python3 gpu_check/prepare_gpu_data.py                        # .gpu_data/ (git-ignored), ~6 MB
+    python3 gpu_check/prepare_gpu_data.py --out_dir data/fineweb_like --train_tokens 20000000
 
 Why not the standard library's source (the old check's corpus): its documents are ~6x FineWeb's, and the CP
 head's sums run over whole documents, so their cost grows with sum L^2: the step-time ratio would be judged on

@@ -1,7 +1,7 @@
 """The first call on a lent GPU machine: the race's numbers in one device call, whatever breaks.
 
-    python3 tools/first_call.py --out "$OUT"                 # on the GPU machine (records/gpu/README.md)
-    python3 tools/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny, in a minute
+    python3 gpu_check/first_call.py --out "$OUT"                 # on the GPU machine (records/gpu/README.md)
+    python3 gpu_check/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny, in a minute
 
 --data is checked first: train and val shards there and readable (a bad or missing split: one line naming the
 command that makes them, exit 1); no shards at all: synthetic FineWeb-like documents made in the work folder
@@ -13,7 +13,7 @@ command that makes them, exit 1); no shards at all: synthetic FineWeb-like docum
      take turns on the GPU (a file lock, CPLM_GPU_TURN, taken after the untimed warm-up), each as soon as it
      is warm, whatever the others are doing: a slow CPLM compile costs nothing of vanilla's number. The
      training jobs validate on one row of the record's 256Ki tokens, in the warm-up (which compiles the
-     evaluation graph beside the training's: tools/preflight.py measures 30-40 s of one core's compile work a
+     evaluation graph beside the training's: gpu_check/preflight.py measures 30-40 s of one core's compile work a
      mode) and once after the timed steps, so each job's log has its peak memory in validation as well as in
      training (the warm-up's row runs outside the GPU turn, as the warm-up steps do; the H200's 141 GB holds
      both modes' peaks at once, 36 and 29 GiB by the pre-flight's reading); --train_loss_every 10;
@@ -246,7 +246,7 @@ def make_synthetic_data(args, work):
     for split, n in (("train", (args.steps + 8) * row), ("val", eval_row + 1)):
         write_shard(os.path.join(args.data, f"synthetic_{split}_000000.bin"), synthetic_tokens(n, rng))
     return (f"no shards at --data {given}: synthetic FineWeb-like documents instead, made in {time.monotonic() - t0:.1f}s "
-            "(tools/prepare_gpu_data.py's synthetic_tokens: log-normal lengths, Zipf ids, copied spans; no "
+            "(gpu_check/prepare_gpu_data.py's synthetic_tokens: log-normal lengths, Zipf ids, copied spans; no "
             "tokenizer): the step times hold, the losses are not English text's")
 
 
@@ -449,7 +449,7 @@ def main(argv=None):
     global T0, REPORT_RESERVE_S, REFCHECK_TURN_S, QUIET_MIN_S
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="report.txt and logs.tar.gz go here ($OUT on the device)")
-    p.add_argument("--data", default=".gpu_data", help="shards from tools/prepare_gpu_data.py (none: synthetic)")
+    p.add_argument("--data", default=".gpu_data", help="shards from gpu_check/prepare_gpu_data.py (none: synthetic)")
     p.add_argument("--deadline_s", type=float, default=570)
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode (a train loss every quarter)")
     p.add_argument("--pairs", type=int, default=3, help="then, while time is left, pairs of re-runs (each alone, "
@@ -471,7 +471,7 @@ def main(argv=None):
     problem = None if synthetic else check_data(args.data)
     if problem:  # before anything is started or written
         print(f"first_call.py: error: {problem}; make them here (tiktoken has its GPT-2 files here, not on the GPU "
-              "machine): python3 tools/prepare_gpu_data.py; or name a folder with no shards for synthetic documents",
+              "machine): python3 gpu_check/prepare_gpu_data.py; or name a folder with no shards for synthetic documents",
               file=sys.stderr)
         return 1
     T0 = time.monotonic()

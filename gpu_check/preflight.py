@@ -825,7 +825,7 @@ def every_kernel_table(train_len=48 * 1024, val_len=256 * 1024):
     return rows
 
 
-if __name__ == "__main__":  # records/gpu/README.md's tables: python3 tools/preflight.py [sm_90 sm_80 sm_89] [WHAT]
+if __name__ == "__main__":  # records/gpu/README.md's tables: python3 gpu_check/preflight.py [sm_90 sm_80 sm_89] [WHAT]
     # WHAT: none, the FlexAttention kernels per card; memory: what a rank holds; every: every kernel compiled
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))

@@ -1,4 +1,4 @@
-"""The CUDA CP loss against the dense reference, on the GPU, with the training settings (tools/first_call.py).
+"""The CUDA CP loss against the dense reference, on the GPU, with the training settings (gpu_check/first_call.py).
 
 cplm_target_log_prob with FlexAttention (compiled, as in training) on a packed 4096-token row of several
 documents, with targets that never occur in their context, from a bf16 head output u soft-capped at 15, a
