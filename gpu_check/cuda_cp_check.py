@@ -14,9 +14,11 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 import inference  # noqa: E402
 import train_gpt_cplm as tg  # noqa: E402
+from gpu_turn import take_turn  # noqa: E402
 
 BOS, COPY_ID, VP, CAP = 50256, 50257, 50304, 15.0
 
@@ -60,7 +62,7 @@ def synchronize(dev):
 
 
 def main(device="cuda", T=4096, compile_backend="inductor"):
-    """The test suite runs this on CPU (T=512, backend aot_eager) so the GPU session gets a working script."""
+    """The test suite runs this on CPU (T=512, backend aot_eager), so that the GPU check runs a working script."""
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
     d = 64
@@ -78,9 +80,7 @@ def main(device="cuda", T=4096, compile_backend="inductor"):
         (warm * weights).sum().backward()  # ...and the backward, which compiles lazily at its first call
         synchronize(dev)
         compile_s = time.perf_counter() - t0
-        gpu_turn = tg.take_gpu_turn()  # first_call.py: the timed part takes its turn on the GPU
-        if gpu_turn is not None:
-            print("gpu turn taken", flush=True)
+        gpu_turn = take_turn()  # first_call.py: the timed part takes its turn on the GPU
         fast_in = leaves(*inputs)
         synchronize(dev)
         t0 = time.perf_counter()

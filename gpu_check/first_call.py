@@ -1,46 +1,41 @@
-"""The first call on a lent GPU machine: the race's numbers in one device call, whatever breaks.
+"""The GPU check: one command for a short, time-limited GPU allocation that always comes back with a report.
 
-    python3 gpu_check/first_call.py --out "$OUT"                 # on the GPU machine (records/gpu/README.md)
-    python3 gpu_check/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny, in a minute
+    python3 gpu_check/first_call.py --out "$OUT"                 # on a machine with a GPU (records/gpu/README.md)
+    python3 gpu_check/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny, in a few minutes
+
+Needs one CUDA GPU (FP8 and 80 GB or more, e.g. an H100 or H200), torch with Triton and this repository; no
+internet and no data. Returns $OUT/report.txt (written line by line, flushed) and $OUT/logs.tar.gz (every job's
+log and stdout), nothing else, within --deadline_s (570 s: one 590 s command). An $OUT that holds a report already
+is refused.
 
 --data is checked first: train and val shards there and readable (a bad or missing split: one line naming the
 command that makes them, exit 1); no shards at all: synthetic FineWeb-like documents made in the work folder
-(prepare_gpu_data.synthetic_tokens, no tokenizer), which the report says. Then, under one global deadline
-(default 570 s, inside the device call's 590):
-  1. three jobs started side by side, each its own process (plain python3, world size 1): vanilla and CPLM
-     (flex) on the speedrun preset with one 48Ki-token row a step, and the CUDA CP loss against the dense
-     reference (cuda_cp_check.py). They compile at the same time on the machine's cores; only the timed loops
-     take turns on the GPU (a file lock, CPLM_GPU_TURN, taken after the untimed warm-up), each as soon as it
-     is warm, whatever the others are doing: a slow CPLM compile costs nothing of vanilla's number. The
-     training jobs validate on one row of the record's 256Ki tokens, in the warm-up (which compiles the
-     evaluation graph beside the training's: gpu_check/preflight.py measures 30-40 s of one core's compile work a
-     mode) and once after the timed steps, so each job's log has its peak memory in validation as well as in
-     training (the warm-up's row runs outside the GPU turn, as the warm-up steps do; the H200's 141 GB holds
-     both modes' peaks at once, 36 and 29 GiB by the pre-flight's reading); --train_loss_every 10;
-     coordinate-descent tuning is off (--coordinate_descent 0): the record's kernels are tuned with it, these
-     are not;
-  2. meanwhile, in this process: versions, the GPU, a bf16 GEMM rate and an FP8 (_scaled_mm) smoke test;
-  3. if CPLM (flex) dies before its warm-up ends and time is left, CPLM with the dense CP sums (one chunk
-     per row: one compiled shape) in its place;
-  4. once every job has ended, a mode whose timed loop ran while another job compiled is timed once more,
-     alone (vanilla_quiet, cplm_quiet or cplm_dense_quiet; its compile cache is warm by then), one at a time
-     while time is left; then up to --pairs pairs of re-runs, each alone, in ABBA order (cplm_rep1,
-     vanilla_rep1, vanilla_rep2, cplm_rep2, ...), while time is left, until one fails: two vanilla processes can
-     differ by more than the ratio's margin from its target (1.5% on the H200, 2026-12-04), so the ratio's
-     spread over processes is measured. A re-run of a mode starts only with 1.5 times that mode's longest good
-     re-run left (QUIET_MIN_S before it has one);
-  5. the report, from whatever came back: per job the compile time, the step time over the second half of
-     the timed steps (between two train_loss lines, each read after a host sync: steps 20-40, 1/20 ms
-     resolution) and whether another job was compiling during its timed loop, the train losses (the sign
-     that training works), peak memory in training and in validation, recompiles after warm-up; the CPLM /
-     vanilla step-time ratio from two windows with no compile beside them (else no ratio, and why) and which
-     windows it compares, then each pair's ratio, their median and range; sum L^2 / T^2 of the timed rows;
-     which parts failed and why.
-$OUT only ever holds report.txt (written line by line, flushed) and logs.tar.gz (the children's logs, kept in
-a work folder under $TMPDIR and packed again, whole, each time a job ends): a kill at any moment leaves at
-most those two files, and the device tool returns at most 8. A job that fails, hangs or outlives its share of
-the deadline is killed and reported; the report always comes out. --dry_run does all of it on the CPU at a
-tiny size; the test suite runs it with jobs made to fail, hang, compile slowly or compile forever (--inject).
+(prepare_gpu_data.synthetic_tokens, no tokenizer), which the report says. Then jobs, each its own process, by value:
+at most three training processes at once (each with its share of the GPU's memory: the caching allocator keeps a
+process's peak until it exits), their timed parts taking turns on the GPU (a file lock, gpu_turn.py), each as soon
+as its process is warm; a job that outlives its time is killed and reported:
+  1. ab (interleaved.py): vanilla and CPLM built and compiled in one process, their training steps alternated on the
+     same batches for --ab_s (at least 200 rounds on the GPU), each step timed with CUDA events: the report's
+     `cplm/vanilla step time ratio (interleaved, R rounds): X.XXX [LO, HI]`, a 95% interval from a moving-block
+     bootstrap over rounds; then a profile of both modes (the top kernels, those only CPLM runs, the shared ones'
+     difference, idle gaps). It depends on no other job: the ratio comes out if the separate jobs hang;
+  2. vanilla and cplm, started beside it (job.py: train_gpt_cplm.main itself; --steps timed steps of one
+     48Ki-token row, one validation row of 256Ki tokens in the warm-up and after the timed steps; the train loss
+     every quarter): compile time, step time, peak memory in training and validation, recompiles in and after
+     the warm-up, train losses. Their ratio is the fallback where ab gives none: then a mode timed while another job
+     compiled is timed again alone (vanilla_quiet, cplm_quiet). If CPLM (flex) fails before its warm-up ends, or
+     the reference check finds flex unusable, CPLM with the dense CP sums (cplm_dense) takes its place;
+  3. refcheck (cuda_cp_check.py, the CUDA CP loss against the dense reference) and devices (device_checks.py:
+     versions, a bf16 GEMM rate, an FP8 smoke test), small, started at once, each within a time limit;
+  4. once ab's rounds and profile are over (so that no other job's compile or warm-up shares its rounds):
+     vanilla_accum and cplm_accum, the record's 393,216 tokens a step on one GPU (8 accumulation micro-steps, the
+     FP8 gradient scale under them): step time and peak memory; and ab_sentinel, the pointer sentinel
+     (--copy_gate sentinel) against vanilla, interleaved as in 1, while time is left.
+The report says what each job gave as it ends, and at the end: the interleaved ratios, the separate-process ratio
+and the accumulation runs; a job not started says why. $OUT only ever holds the two files: the children's logs live
+in a work folder under $TMPDIR, packed again whole and moved in by one rename each time a job ends, so a kill at
+any moment leaves the report as far as it got. SIGTERM and SIGHUP kill the jobs, pack the logs and add a "stopped"
+line. --dry_run does all of it on a CPU at a tiny size; the tests inject faults into any job (--inject).
 """
 import argparse
 import contextlib
@@ -49,7 +44,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -59,22 +53,43 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RECORD_STEP_MS = 99.9  # the 2025-01-26 record: 2.93 min over its 1760 timed steps on 8xH100, communication included
-REPORT_RESERVE_S = 25  # kept back at the end for the report and the packing (8 s in a dry run)
-REFCHECK_TURN_S = 30  # the reference check holds the GPU (its timed part, the reference) at most this long (20 s dry)
-QUIET_MIN_S = 120  # a mode's first re-run alone needs this much left: a warm-cache compile and 40 steps (15 s dry)
-TIMED = ("vanilla", "cplm", "cplm_dense")  # each may be timed again alone as <name>_quiet
-MARKERS = {"warm-up done": "warm-up done", "gpu turn": "gpu turn", "final": "^final "}  # in a job's stdout
+RECORD_BATCH = 8 * 48 * 1024  # the record's tokens a step: 8 GPUs x one 48Ki-token row
+# seconds, on the GPU and (dry run) on a CPU
+BUDGET = {
+    "report_reserve": (25, 8),  # kept back at the end for the report and the packing
+    "devices": (90, 30),  # the device checks' job: killed past this
+    "refcheck_turn": (30, 20),  # the reference check holds the GPU (its timed part and the reference) at most this
+    "ab_rounds": (120, 6),  # the interleaved A/B's timed rounds (about 0.21 s a round on the H200: ~570 rounds)
+    "ab_warm": (330, 90),  # the interleaved A/B warm by then (on the H200 about 240 s: CPLM cold, vanilla from the
+    # cache the separate vanilla job filled), or killed: the accumulation runs and the fallback need the rest
+    "ab_profile": (30, 10),  # kept after the rounds for the profile
+    "sentinel_rounds": (60, 4),  # the sentinel's A/B, after the rest
+    "dense_min": (150, 20),  # the dense CP fallback starts only with this much left: a compile and the steps
+    "rerun_min": (120, 15),  # a quiet re-run: a warm-cache compile and the steps
+    "accum_min": (150, 15),  # an accumulation job: a compile (the FP8 gradient scale makes new graphs) and 6 steps
+    "sentinel_min": (150, 20),  # the sentinel's A/B: two modes' compiles (vanilla's from the cache) and rounds
+}
+BIG_SLOTS = 3  # training processes alive at once (16 cores, 141 GB): the first call ran three side by side
+MEMORY_SHARE = {"ab": 0.4, "ab_sentinel": 0.4}  # of the GPU's memory; every other training job 0.25 (vanilla's peak
+# allocated on the H200: 30.1 GiB of 140; ab holds two models)
+INJECTIONS = ("fail", "hang", "stall", "slow_compile", "after")
+JOBS = ("ab", "vanilla", "cplm", "cplm_dense", "refcheck", "devices", "vanilla_quiet", "cplm_quiet",
+        "cplm_dense_quiet", "vanilla_accum", "cplm_accum", "ab_sentinel")
+TIMED = ("vanilla", "cplm", "cplm_dense")  # the separate jobs whose ratio is the fallback
+SMALL = ("refcheck", "devices")  # no slot: they hold little memory and few cores
+MARKERS = {"warm-up done": "warm-up done", "gpu turn": "gpu turn", "final": "^(final |done in )"}  # in a job's stdout
 
 
 class Job:
     """One child process with its own stdout file; killed with its whole process group."""
 
-    def __init__(self, name, cmd, work, env=None):
-        self.name, self.cmd = name, cmd
+    def __init__(self, name, cmd, work, env=None, limit_s=None, warm_limit_s=None):
+        self.name, self.cmd, self.limit_s, self.warm_limit_s = name, cmd, limit_s, warm_limit_s
         self.stdout_path = os.path.join(work, "logs", f"{name}.stdout")
         self.started = time.monotonic()
         self.events = {}  # marker -> when (time.monotonic()) it was first seen in stdout
         self.ended = self.killed = None
+        self.relayed = 0  # REPORT lines already copied into the report
         with open(self.stdout_path, "w") as f:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                          start_new_session=True)
@@ -88,6 +103,12 @@ class Job:
         if rc is not None and self.ended is None:
             self.ended = now
         return rc
+
+    def new_report_lines(self):
+        """The lines for the report (`REPORT ...`) it printed since the last call."""
+        lines = re.findall(r"^REPORT (.*)$", self.text(), re.M)
+        new, self.relayed = lines[self.relayed:], len(lines)
+        return new
 
     def compiled(self):
         """When its compile (and warm-up) was seen to end: warm, its GPU turn taken, or the process ended."""
@@ -125,14 +146,14 @@ class Job:
         return "ok" if self.rc == 0 else f"exit {self.rc}"
 
     def last_line(self):
-        lines = [x for x in self.text().splitlines() if x.strip() and not x.startswith("  ")]
+        lines = [x for x in self.text().splitlines() if x.strip() and not x.startswith(("  ", "REPORT", "USDT"))]
         return lines[-1][:300] if lines else "(no output)"
 
 
 class Report:
     """$OUT: report.txt, written line by line (flushed), and logs.tar.gz, the work folder's logs packed whole
     beside them and moved in by one rename. Nothing else is ever written there, so a kill at any moment leaves
-    at most these two files (the device tool returns at most 8)."""
+    at most these two files."""
 
     def __init__(self, out, work):
         self.out, self.work = out, work
@@ -158,59 +179,6 @@ class Report:
             self(f"  packing the logs failed: {type(e).__name__}: {e}")
 
 
-def device_checks(report, device, dry_run):
-    """Versions, a bf16 GEMM rate and an FP8 smoke test, each guarded: a failure is a line, not an end."""
-    import platform
-    import torch
-    report(f"python {platform.python_version()}  torch {torch.__version__}  cuda {torch.version.cuda}  "
-           f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
-    if device == "cuda":
-        try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.sm,driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=15)
-            report(f"nvidia-smi: {smi.stdout.strip()}")
-        except (OSError, subprocess.TimeoutExpired) as e:
-            report(f"nvidia-smi: unavailable ({e})")
-    n = 512 if dry_run else 8192
-    try:
-        a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-        for _ in range(3):
-            a @ b
-        seconds = timed(lambda: a @ b, device, repeats=3 if dry_run else 20)
-        report(f"bf16 GEMM {n}^3: {2 * n ** 3 / seconds / 1e12:.1f} TFLOP/s (while the jobs compile)")
-    except Exception as e:
-        report(f"bf16 GEMM: FAILED ({type(e).__name__}: {e})")
-    try:
-        x, w = torch.randn(n, n, device=device) * 0.5, torch.randn(n, n, device=device) * 0.02
-        one = torch.tensor(1.0, device=device)
-        out = torch._scaled_mm(x.to(torch.float8_e4m3fn), (w * 512).to(torch.float8_e4m3fn).t(), scale_a=one,
-                               scale_b=torch.tensor(1 / 512, device=device), out_dtype=torch.bfloat16)
-        ref = x @ w.t()
-        report(f"FP8 _scaled_mm smoke test: relative error {((out.float() - ref).norm() / ref.norm()).item():.4f} "
-               "against fp32 (e4m3 operands: about 0.03 expected)")
-    except Exception as e:
-        report(f"FP8 _scaled_mm smoke test: FAILED ({type(e).__name__}: {str(e)[:200]})")
-    if device == "cuda":
-        torch.cuda.empty_cache()  # this process keeps its CUDA context, not these buffers
-
-
-def timed(fn, device, repeats):
-    import torch
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1000 / repeats
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
-
-
 def check_data(data):
     """What is wrong with --data (relative to the repository, as the jobs see it), or None."""
     for split in ("train", "val"):
@@ -233,9 +201,10 @@ def row_lengths(args):
     return (256, 512) if args.dry_run else (49152, 262144)
 
 
-def make_synthetic_data(args, work):
+def make_synthetic_data(args, work, until):
     """No shards at --data: FineWeb-like synthetic documents in the work folder (prepare_gpu_data.synthetic_tokens:
-    no text, no tokenizer, no preparation), as many as the call reads; args.data then names them. Says so."""
+    no text, no tokenizer, no preparation), enough for the timed rows and an accumulation step (the loader starts
+    over when they are used up); args.data then names them. Returns the report's line; stops at `until`."""
     import numpy as np
     from prepare_gpu_data import synthetic_tokens, write_shard  # beside this file
     t0, given = time.monotonic(), args.data
@@ -243,37 +212,68 @@ def make_synthetic_data(args, work):
     os.makedirs(args.data)
     row, eval_row = row_lengths(args)
     rng = np.random.default_rng(0)
-    for split, n in (("train", (args.steps + 8) * row), ("val", eval_row + 1)):
-        write_shard(os.path.join(args.data, f"synthetic_{split}_000000.bin"), synthetic_tokens(n, rng))
+    for split, n in (("train", max(args.steps + 8, 10 * 8) * row), ("val", eval_row + 1)):
+        write_shard(os.path.join(args.data, f"synthetic_{split}_000000.bin"), synthetic_tokens(n, rng, until=until))
     return (f"no shards at --data {given}: synthetic FineWeb-like documents instead, made in {time.monotonic() - t0:.1f}s "
             "(gpu_check/prepare_gpu_data.py's synthetic_tokens: log-normal lengths, Zipf ids, copied spans; no "
             "tokenizer): the step times hold, the losses are not English text's")
 
 
-def train_cmd(args, work, mode, name, extra=()):
-    """One mode of the speedrun preset as one of the record's 8 GPUs runs it: one 48Ki-token row a step; one
-    validation row of 256Ki tokens, the record's (512 in a dry run), in the warm-up and after the last step
-    (outside the timed window); the train loss every quarter of the steps, each read after a host sync, so the
-    train_time on those lines is exact."""
+def model_flags(args, mode_flags=()):
+    """The speedrun preset as one of the record's 8 GPUs runs it (one 48Ki-token row a step), world size 1; in a dry
+    run the cpu preset, tiny: the same program path on a CPU in seconds. Validation rows of the record's 256Ki
+    tokens (512 in a dry run), the rotary tables sized for them."""
     val_row = str(row_lengths(args)[1])
-    py = [sys.executable, "train_gpt_cplm.py", "--run_id", name, "--log_dir", os.path.join(work, "logs"),
-          "--overwrite", "1", "--cplm", str(mode), "--train_files", os.path.join(args.data, "*_train_*.bin"),
-          "--val_files", os.path.join(args.data, "*_val_*.bin"), "--num_iterations", str(args.steps),
-          "--val_tokens", val_row, "--val_seq_len", val_row, "--val_loss_every", "0",
-          "--train_loss_every", str(max(1, args.steps // 4))]
-    if args.dry_run:  # the cpu preset, tiny: the same program path on a CPU in seconds
-        return py + ["--preset", "cpu", "--num_layers", "2", "--model_dim", "64", "--num_heads", "2",
-                     "--batch_size", "256", "--seq_len", "256", "--warmup_steps", "1", *extra]
-    return py + ["--preset", "speedrun", "--coordinate_descent", "0", "--batch_size", "49152", "--warmup_steps", "3",
-                 *extra]
+    data = ["--train_files", os.path.join(args.data, "*_train_*.bin"), "--val_files", os.path.join(args.data, "*_val_*.bin"),
+            "--val_tokens", val_row, "--val_seq_len", val_row]
+    if args.dry_run:
+        return ["--preset", "cpu", "--num_layers", "2", "--model_dim", "64", "--num_heads", "2", "--batch_size", "256",
+                "--seq_len", "256", "--warmup_steps", "1", *data, *mode_flags]
+    return ["--preset", "speedrun", "--coordinate_descent", "0", "--batch_size", "49152", "--warmup_steps", "3",
+            *data, *mode_flags]
 
 
-def run_jobs(jobs, deadline, report, on_exit):
-    """Polls the jobs until each has ended or the deadline comes; kills what is left at the deadline. A job
-    that holds the GPU (its timed loop) longer than its share of the time left is killed, so that one hang
-    cannot take the others' turns: the share is the time left when it took the GPU over the training jobs
-    still to time, itself included. on_exit(job) is called once a job has ended and returns jobs to add."""
-    while any(j.rc is None for j in jobs):
+MODE_FLAGS = {"vanilla": ["--cplm", "0"], "cplm": ["--cplm", "1"], "cplm_dense": ["--cplm", "1", "--cp_backend", "dense"]}
+
+
+def train_cmd(args, work, base, name):
+    """A training job (job.py: train_gpt_cplm.main) of base (vanilla, cplm, cplm_dense) under its own name: --steps
+    timed steps, a validation row in the warm-up (which compiles the evaluation graph) and after the last step
+    (outside the timed window), the train loss every quarter, each read after a host sync, so the train_time on
+    those lines is exact. <base>_accum: the record's tokens a step (8 micro-steps), 6 steps, no validation."""
+    flags = MODE_FLAGS[base] + (["--cp_chunk", str(row_lengths(args)[0])] if base == "cplm_dense" else [])
+    run = ["--run_id", name, "--log_dir", os.path.join(work, "logs"), "--overwrite", "1", "--val_loss_every", "0"]
+    if name.endswith("_accum"):
+        batch = str(8 * row_lengths(args)[0])
+        return [sys.executable, os.path.join(HERE, "job.py"), *model_flags(args, flags), *run, "--batch_size", batch,
+                "--num_iterations", "6", "--train_loss_every", "3", "--val_tokens", "0"]
+    return [sys.executable, os.path.join(HERE, "job.py"), *model_flags(args, flags), *run,
+            "--num_iterations", str(args.steps), "--train_loss_every", str(max(1, args.steps // 4))]
+
+
+def ab_cmd(args, modes, rounds_s, end_in_s, profile):
+    """The interleaved A/B (interleaved.py) of modes over the record's schedule (1770 steps; the cpu preset's 200)."""
+    return [sys.executable, os.path.join(HERE, "interleaved.py"), "--modes", modes, "--rounds_s", f"{rounds_s:.0f}",
+            "--min_rounds", "20" if args.dry_run else "200", "--end_in_s", f"{end_in_s:.0f}",
+            "--profile_steps", "3" if profile else "0", "--profile_reserve_s", f"{budget(args, 'ab_profile'):.0f}",
+            "--", *model_flags(args)]
+
+
+def budget(args, name):
+    return BUDGET[name][1 if args.dry_run else 0]
+
+
+def run_jobs(jobs, deadline, report, on_poll, on_exit):
+    """Polls the jobs until each has ended and on_poll() starts no more, or the deadline comes; copies their REPORT
+    lines into the report as they come; kills what is left at the deadline, and a job past its time limit. A job
+    that holds the GPU (its timed part) longer than its turn budget is killed, so that one hang cannot take the
+    others' turns: the budget is its own (turn_budget, set when it was started) or its share of the time left when
+    it took the GPU, shared with the training jobs still to time, itself included, at most its turn_cap.
+    on_exit(job) is called once a job has ended."""
+    while True:
+        jobs.extend(on_poll())
+        if all(getattr(j, "reported", False) for j in jobs):
+            break
         time.sleep(0.5)
         now = time.monotonic()  # one time a round: events seen in the same round are simultaneous
         for j in list(jobs):
@@ -281,36 +281,44 @@ def run_jobs(jobs, deadline, report, on_exit):
             j.poll(now)
             for marker in [m for m in j.events if m not in seen and m != "final"]:
                 report(f"  [{now - T0:5.0f}s] {j.name}: {marker}")
+            for line in j.new_report_lines():
+                report(f"  {line}")
         for j in jobs:
-            if j.rc is None and "gpu turn" in j.events:
-                if not hasattr(j, "turn_budget"):
+            if j.rc is None and j.limit_s is not None and now - j.started > j.limit_s:
+                j.kill(f"past its time limit, {j.limit_s:.0f}s")
+            elif j.rc is None and j.warm_limit_s is not None and j.compiled() is None and now - j.started > j.warm_limit_s:
+                j.kill(f"not warm after {j.warm_limit_s:.0f}s")
+            elif j.rc is None and "gpu turn" in j.events:
+                if not hasattr(j, "turn_taken"):
                     waiting = [x for x in jobs if x.rc is None and "final" not in x.events
-                               and not hasattr(x, "turn_budget") and x.name != "refcheck"]
-                    j.turn_budget = (deadline - now) / max(len(waiting), 1)
-                    if j.name == "refcheck":  # one forward and backward, then the reference: seconds
-                        j.turn_budget = min(j.turn_budget, REFCHECK_TURN_S)
+                               and not hasattr(x, "turn_taken") and x.name not in SMALL]
+                    share = (deadline - now) / max(len(waiting), 1)
+                    j.turn_budget = getattr(j, "turn_budget", None) or min(share, getattr(j, "turn_cap", share))
                     j.turn_taken = now
                 elif now - j.turn_taken > j.turn_budget and "final" not in j.events:
                     j.kill(f"past its share of the GPU, {j.turn_budget:.0f}s")
         for j in list(jobs):
             if j.rc is not None and not getattr(j, "reported", False):
                 j.reported = True
+                for line in j.new_report_lines():
+                    report(f"  {line}")
                 report(f"  [{time.monotonic() - T0:5.0f}s] {j.name}: {j.status()}"
                        + ("" if j.rc == 0 else f" -- {j.last_line()}"))
-                jobs.extend(on_exit(j))
+                on_exit(j)
         if time.monotonic() > deadline:
             for j in jobs:
                 if j.rc is None:
                     j.kill("at the deadline")
                     j.reported = True
                     report(f"  [{time.monotonic() - T0:5.0f}s] {j.name}: {j.status()} -- last line: {j.last_line()}")
+            break
     return jobs
 
 
 def compiling_beside(job, jobs):
-    """The other jobs seen compiling at some moment of job's timed loop (from its GPU turn to its final line),
-    or None if it has no whole timed loop. A compile beside a timed loop shares the CPU cores and, autotuning,
-    the GPU."""
+    """The other jobs seen compiling (or, the device checks, running) at some moment of job's timed part (from its
+    GPU turn to its final line), or None if it has no whole timed part. A compile beside a timed loop shares the
+    CPU cores and, warming up and autotuning, the GPU."""
     start, end = job.events.get("gpu turn"), job.events.get("final")
     if start is None or end is None:
         return None
@@ -319,7 +327,7 @@ def compiling_beside(job, jobs):
 
 def parse_train_log(path):
     """What a (possibly cut-off) training log holds; never raises."""
-    out = dict(train_loss=[], val_loss=[], steps=0, peak_train=None, peak_eval=None)
+    out = dict(train_loss=[], val_loss=[], steps=0, peak_train=None, peak_eval=None, grad_accum=None)
     try:
         text = open(path, errors="replace").read()
     except OSError:
@@ -332,6 +340,8 @@ def parse_train_log(path):
     m = re.search(r"peak memory allocated in training: (\d+) MiB, in validation: (\d+) MiB", text)
     if m:
         out["peak_train"], out["peak_eval"] = int(m[1]), int(m[2])
+    m = re.search(r"grad_accum: (\d+)", text)
+    out["grad_accum"] = int(m[1]) if m else None
     return out
 
 
@@ -356,9 +366,11 @@ def row_concentration(data_glob, rows, row_len, bos):
     return concentration(tokens, row_len, bos) if len(tokens) >= row_len else None
 
 
-def recompiles_after_warmup(stdout_text):
-    _, marker, after = stdout_text.partition("warm-up done")
-    return len(re.findall(r"Recompiling function", after)) if marker else None
+def recompiles(stdout_text):
+    """(recompiles in the warm-up, after it) from TORCH_LOGS=recompiles; after is None if it never got warm."""
+    before, marker, after = stdout_text.partition("warm-up done")
+    return len(re.findall(r"Recompiling function", before)), (
+        len(re.findall(r"Recompiling function", after)) if marker else None)
 
 
 def job_result(j, jobs, work):
@@ -372,36 +384,64 @@ def job_result(j, jobs, work):
         words = f"steps {timed[1]}-{timed[2]}, " + (
             f"timed while {', '.join(beside)} compiled" if beside else "no compile beside it")
         window = (timed[0], words)
-    line = (f"{j.name}: {j.status()}; "
+    in_warmup, after = recompiles(j.text())
+    accum = f"{log['grad_accum']} micro-steps a step; " if log["grad_accum"] and log["grad_accum"] > 1 else ""
+    line = (f"{j.name}: {j.status()}; {accum}"
             + (f"compile + warm-up {warm - j.started:.0f}s" if warm else "never finished compiling") + "; "
             + f"steps {log['steps']}; step time "
             + (f"{timed[0]:.2f} ms ({words}; 1/{timed[2] - timed[1]} ms resolution)" if timed else "none") + "; "
             + f"train loss {', '.join(f'{s}:{v:.4f}' for s, v, _ in log['train_loss']) or 'none'}; "
             + f"peak memory training {log['peak_train'] or '-'} MiB, validation {log['peak_eval'] or '-'} MiB; "
             + (f"val loss {log['val_loss'][-1][1]:.4f}; " if log["val_loss"] else "")
-            + f"recompiles after warm-up {recompiles_after_warmup(j.text())}")
+            + f"recompiles in warm-up {in_warmup}, after it {after}")
     return line, window
 
 
-def write_summary(report, args, work, jobs):
+def ab_result(j, jobs):
+    """The interleaved A/B's line: its status, compile time, recompiles after warm-up, what compiled beside its
+    rounds (other jobs' compiles and warm-ups share the cores and the GPU), and its ratio lines (also relayed as
+    they came)."""
+    warm, beside = j.events.get("warm-up done"), compiling_beside(j, jobs)
+    _, after = recompiles(j.text())
+    ratios = re.findall(r"^REPORT (\w+/\w+ step time ratio \(interleaved.*)$", j.text(), re.M)
+    line = (f"{j.name}: {j.status()}; " + (f"compile + warm-up {warm - j.started:.0f}s" if warm else "never warm")
+            + "; " + ("rounds and profile: " + (f"timed while {', '.join(beside)} compiled" if beside else
+                                               "no compile beside them") + "; " if beside is not None else "")
+            + f"recompiles after warm-up {after}")
+    return line, ratios
+
+
+def write_summary(report, args, work, jobs, not_started):
     report("")
     report("== per job ==")
-    window = {}  # training job -> (ms a step, its window in words)
+    window, interleaved = {}, {}  # training job -> (ms a step, its window in words); ab job -> its ratio lines
     for j in jobs:
-        if j.name.startswith("refcheck"):
-            lines = [x for x in j.text().splitlines() if x.strip()]
-            report(f"{j.name}: {j.status()}; " + " | ".join(lines[-9:]) if lines else f"{j.name}: {j.status()}; no output")
-            continue
-        line, timed = job_result(j, jobs, work)
-        if timed:
-            window[j.name] = timed
-        report(line)
+        if j.name in SMALL:
+            lines = [x for x in j.text().splitlines() if x.strip() and not x.startswith(("REPORT", "USDT"))]
+            report(f"{j.name}: {j.status()}" + (("; " + " | ".join(lines[-9:])) if lines and j.name == "refcheck" else ""))
+        elif j.name.startswith("ab"):
+            line, interleaved[j.name] = ab_result(j, jobs)
+            report(line)
+        else:
+            line, timed = job_result(j, jobs, work)
+            if timed:
+                window[j.name] = timed
+            report(line)
         if j.rc != 0:
             report(f"  why: {j.last_line()}")
+    for name, why in not_started.items():
+        report(f"{name}: not started ({why})")
     report("")
     report("== the race ==")
-    # the ratio compares two windows with no compile beside them (a compile shares the cores and, autotuning, the
-    # GPU): a mode's quiet re-run where it had one, else its own window if nothing compiled beside it
+    for name in ("ab", "ab_sentinel"):
+        for line in interleaved.get(name, []):
+            report(line)
+    if not interleaved.get("ab"):
+        ab = next((j for j in jobs if j.name == "ab"), None)
+        report(f"cplm/vanilla step time ratio (interleaved): none (ab {ab.status() if ab else 'not started'}: "
+               f"{ab.last_line() if ab else not_started.get('ab', '')})")
+    # the separate processes' ratio compares two windows with no compile beside them (a compile shares the cores
+    # and, autotuning, the GPU): a mode's quiet re-run where it had one, else its own window if nothing compiled
     clean = {name: w for name, w in window.items() if w[1].endswith("no compile beside it")}
     vanilla = next((n for n in ("vanilla_quiet", "vanilla") if n in clean), None)
     cplm = next((n for n in ("cplm_quiet", "cplm", "cplm_dense_quiet", "cplm_dense") if n in clean), None)
@@ -416,176 +456,239 @@ def write_summary(report, args, work, jobs):
     if concentration is not None:
         report(f"timed rows: sum L^2 / T^2 = {concentration:.3f} (mean over the first {args.steps} rows)")
     if vanilla and cplm:
-        report(f"{cplm}/vanilla step time ratio: {window[cplm][0] / window[vanilla][0]:.3f} ({cplm}: "
-               f"{window[cplm][1]}; {vanilla}: {window[vanilla][1]}"
+        report(f"{cplm}/vanilla step time ratio (separate processes): {window[cplm][0] / window[vanilla][0]:.3f} "
+               f"({cplm}: {window[cplm][1]}; {vanilla}: {window[vanilla][1]}"
                + ("; the dense CP sums: flex failed)" if cplm.startswith("cplm_dense") else ")"))
     else:
-        why = "; ".join(f"{name}: {w[1]}" for name, w in window.items() if name not in clean)
-        report("cplm/vanilla step time ratio: none (" + (f"a mode has no window with no compile beside it (its re-run "
-               f"alone did not fit the time left, failed, or was itself timed beside a compile): {why})" if why else
-               "a mode gave no step time: see above)"))
-    if args.pairs:
-        report(pairs_line(clean, args.pairs))
+        why = "; ".join(f"{name}: {w[1]}" for name, w in window.items() if name not in clean and "accum" not in name)
+        report("cplm/vanilla step time ratio (separate processes): none (" + (
+            f"a mode has no window with no compile beside it (its re-run alone is made only where the interleaved "
+            f"A/B gave no ratio, and must fit the time left): {why})" if why else "a mode gave no step time: see above)"))
+    accum = {n: window[n][0] for n in ("vanilla_accum", "cplm_accum") if n in window}
+    logs = {n: parse_train_log(os.path.join(work, "logs", f"{n}.txt")) for n in ("vanilla_accum", "cplm_accum")}
+    report(f"the record's {RECORD_BATCH:,} tokens a step on one GPU (8 micro-steps of {row_lengths(args)[0]} tokens; "
+           f"{8 * row_lengths(args)[0]:,} in a dry run): " + "; ".join(
+               f"{n.split('_')[0]} " + (f"{accum[n]:.1f} ms a step" if n in accum else "no step time")
+               + f", peak memory training {logs[n]['peak_train'] or '-'} MiB" for n in logs)
+           + (f"; cplm/vanilla {accum['cplm_accum'] / accum['vanilla_accum']:.3f} (two processes, 3 steps each)"
+              if len(accum) == 2 else ""))
 
 
-def pairs_line(clean, wanted):
-    """The ratio over the pairs of re-runs (cplm_repK and vanilla_repK, each alone, in ABBA order): each pair's in
-    run order, the median and the range; a pair counts where both its runs gave a step time."""
-    ratios = {}
-    for k in range(1, wanted + 1):
-        cplm = next((clean[n] for n in (f"cplm_rep{k}", f"cplm_dense_rep{k}") if n in clean), None)
-        if cplm and f"vanilla_rep{k}" in clean:
-            ratios[k] = cplm[0] / clean[f"vanilla_rep{k}"][0]
-    if not ratios:
-        return (f"pairs of re-runs: none of {wanted} gave both step times (not started for want of time, or a run "
-                "failed: see the jobs above)")
-    r = sorted(ratios.values())
-    return (f"cplm/vanilla step time ratio over {len(r)} of {wanted} pairs of processes, each timed alone in ABBA "
-            f"order: median {statistics.median(r):.3f}, range {r[0]:.3f}-{r[-1]:.3f} (pair: ratio, in run order: "
-            f"{', '.join(f'{k}: {v:.3f}' for k, v in ratios.items())})")
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="first_call.py", description=__doc__.splitlines()[0])
+    p.error = lambda message: (_ for _ in ()).throw(ValueError(message))  # one line, not argparse's usage block
+    p.add_argument("--out", required=True, help="report.txt and logs.tar.gz go here ($OUT); not a call's folder")
+    p.add_argument("--data", default=".gpu_data", help="shards from gpu_check/prepare_gpu_data.py (none: synthetic)")
+    p.add_argument("--deadline_s", type=float, default=570)
+    p.add_argument("--steps", type=int, default=40, help="timed steps of the separate jobs (a train loss every quarter)")
+    p.add_argument("--ab_s", type=float, help="the interleaved A/B's timed rounds, seconds (default 120; dry run 6)")
+    p.add_argument("--bos", type=int, default=50256)
+    p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in a few minutes")
+    p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang (in its timed part, holding the GPU), "
+                   "JOB:stall (never warm, never ends), JOB:slow_compile[=S], JOB:after=OTHER (starts once OTHER ended); "
+                   f"comma-separated; JOB one of {', '.join(JOBS)}")
+    args = p.parse_args(argv)
+    try:
+        args.inject = dict(x.split(":", 1) for x in args.inject.split(",") if x)
+    except ValueError:
+        raise ValueError(f"--inject {args.inject}: JOB:KIND pairs, comma-separated")
+    for job, how in args.inject.items():
+        kind, _, value = how.partition("=")
+        if job not in JOBS or kind not in INJECTIONS or (kind == "after" and value not in JOBS):
+            raise ValueError(f"--inject {job}:{how}: JOB one of {', '.join(JOBS)}; KIND one of fail, hang, stall, "
+                             "slow_compile[=S], after=JOB")
+    if not 0 < args.deadline_s < 1e6:  # nan too: nothing would ever be killed at the deadline
+        raise ValueError(f"--deadline_s must be a number of seconds in (0, 1e6), not {args.deadline_s}")
+    if args.steps < 2:
+        raise ValueError(f"--steps must be 2 or more (a timed window lies between two train_loss lines), not {args.steps}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a file: it names the folder report.txt and logs.tar.gz go into")
+    held = [n for n in ("report.txt", "logs.tar.gz") if os.path.exists(os.path.join(args.out, n))]
+    if held:
+        raise ValueError(f"--out {args.out} holds a call's {' and '.join(held)} already: name a new folder")
+    return args
+
+
+def injected(args, name, cmd, work):
+    """The command a job runs with its --inject fault (the tests' way to make a job fail, hang or be late)."""
+    how = args.inject.get(name, "")
+    kind, _, value = how.partition("=")
+    if kind == "fail":
+        return [sys.executable, "-c", "import sys; print('injected failure before warm-up'); sys.exit(7)"]
+    if kind == "hang":  # takes the GPU turn, as a timed part would, and never ends
+        return [sys.executable, "-c", "import fcntl, os, time; f = open(os.environ['GPU_CHECK_TURN'], 'a'); "
+                "fcntl.flock(f, fcntl.LOCK_EX); print('warm-up done; gpu turn: injected hang', flush=True); "
+                "time.sleep(10**6)"]
+    if kind == "stall":  # never warm, never ends
+        return [sys.executable, "-c", "import time; print('injected: stalled', flush=True); time.sleep(10**6)"]
+    if kind == "slow_compile":  # the real job, late: a compile 10 s (or =S s) longer
+        return [sys.executable, "-c", f"import os, sys, time; time.sleep({float(value or 10)}); "
+                "os.execv(sys.executable, [sys.executable] + sys.argv[1:])", *cmd[1:]]
+    if kind == "after":  # the real job, once OTHER has ended: an order no machine's speed changes
+        flag = os.path.join(work, "ended", value)
+        return [sys.executable, "-c", f"import os, sys, time\nwhile not os.path.exists({flag!r}): time.sleep(0.2)\n"
+                "os.execv(sys.executable, [sys.executable] + sys.argv[1:])", *cmd[1:]]
+    return cmd
 
 
 def main(argv=None):
-    global T0, REPORT_RESERVE_S, REFCHECK_TURN_S, QUIET_MIN_S
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="report.txt and logs.tar.gz go here ($OUT on the device)")
-    p.add_argument("--data", default=".gpu_data", help="shards from gpu_check/prepare_gpu_data.py (none: synthetic)")
-    p.add_argument("--deadline_s", type=float, default=570)
-    p.add_argument("--steps", type=int, default=40, help="timed steps per mode (a train loss every quarter)")
-    p.add_argument("--pairs", type=int, default=3, help="then, while time is left, pairs of re-runs (each alone, "
-                                                         "ABBA order): the ratio's spread over processes")
-    p.add_argument("--bos", type=int, default=50256)
-    p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in a minute")
-    p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang, JOB:slow_compile[=S] or JOB:compile_hang, "
-                                                 "comma-separated")
-    args = p.parse_args(argv)
-    bad = ("--deadline_s must be a number of seconds in (0, 1e6), not " + str(args.deadline_s)
-           if not 0 < args.deadline_s < 1e6 else  # nan too: nothing would ever be killed at the deadline
-           f"--pairs must be 0 or more, not {args.pairs}" if args.pairs < 0 else
-           f"--out {args.out} is a file: it names the folder report.txt and logs.tar.gz go into"
-           if os.path.exists(args.out) and not os.path.isdir(args.out) else None)
-    if bad:
-        print(f"first_call.py: error: {bad}", file=sys.stderr)
+    global T0
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        print(f"first_call.py: error: {e}", file=sys.stderr)
         return 2
     synthetic = not glob.glob(os.path.join(ROOT, args.data, "*_*_*.bin"))  # nothing prepared: made below
     problem = None if synthetic else check_data(args.data)
     if problem:  # before anything is started or written
-        print(f"first_call.py: error: {problem}; make them here (tiktoken has its GPT-2 files here, not on the GPU "
-              "machine): python3 gpu_check/prepare_gpu_data.py; or name a folder with no shards for synthetic documents",
-              file=sys.stderr)
+        print(f"first_call.py: error: {problem}; make them where tiktoken has its GPT-2 files (the GPU machine needs "
+              "no internet): python3 gpu_check/prepare_gpu_data.py; or name a folder with no shards for synthetic "
+              "documents", file=sys.stderr)
         return 1
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        print(f"first_call.py: error: --out {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
     T0 = time.monotonic()
-    if args.dry_run:
-        REPORT_RESERVE_S, REFCHECK_TURN_S, QUIET_MIN_S = 8, 20, 15
-    deadline = T0 + args.deadline_s - REPORT_RESERVE_S
-    os.makedirs(args.out, exist_ok=True)
+    deadline = T0 + args.deadline_s - budget(args, "report_reserve")
     work = tempfile.mkdtemp(prefix="first_call_")  # the children's logs and the GPU turn's lock: never in $OUT
     os.makedirs(os.path.join(work, "logs"))
+    os.makedirs(os.path.join(work, "ended"))
     report = Report(args.out, work)
-    device = "cpu" if args.dry_run else "cuda"
-    report(f"first call: deadline {args.deadline_s:.0f}s, {args.steps} timed steps a mode"
-           + (" (dry run on CPU)" if args.dry_run else "") + f"; work folder {work}")
-    injected = dict(x.split(":") for x in args.inject.split(",") if x)
-
-    def maybe_injected(name, cmd):
-        how = injected.get(name)
-        if how == "fail":
-            return [sys.executable, "-c", "import sys; print('injected failure before warm-up'); sys.exit(7)"]
-        if how == "hang":  # takes the GPU turn, as a timed loop would, and never ends
-            return [sys.executable, "-c", "import fcntl, os, time; f = open(os.environ['CPLM_GPU_TURN'], 'a'); "
-                    "fcntl.flock(f, fcntl.LOCK_EX); print('warm-up done; gpu turn: injected hang', flush=True); "
-                    "time.sleep(10**6)"]
-        if how == "compile_hang":  # never warm
-            return [sys.executable, "-c", "import time; print('injected: compiling forever', flush=True); "
-                    "time.sleep(10**6)"]
-        if how and how.startswith("slow_compile"):  # the real job, late: a compile 10 s (or =S s) longer
-            return [sys.executable, "-c", f"import os, sys, time; time.sleep({float(how.partition('=')[2] or 10)}); "
-                    "os.execv(sys.executable, [sys.executable] + sys.argv[1:])", *cmd[1:]]
-        return cmd
-
-    # the GPU turn: a file lock; each timed loop takes it when its job is warm, whatever the others are doing
-    env = {"CPLM_GPU_TURN": os.path.join(work, "gpu_turn.lock"), "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1",
-           "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 3) // 3))}
+    ab_s = args.ab_s if args.ab_s is not None else budget(args, "ab_rounds")
+    report(f"GPU check: deadline {args.deadline_s:.0f}s; the interleaved A/B's rounds {ab_s:.0f}s; {args.steps} timed "
+           "steps a separate job" + (" (dry run on CPU)" if args.dry_run else "") + f"; work folder {work}")
+    env = {"GPU_CHECK_TURN": os.path.join(work, "gpu_turn.lock"), "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1",
+           "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 3) // BIG_SLOTS))}
     if args.dry_run:
         env["OMP_NUM_THREADS"] = "1"  # several processes on a few cores: one thread each
-    refcheck = [sys.executable, os.path.join(HERE, "cuda_cp_check.py")] + (["--dry_run"] if args.dry_run else [])
-    jobs = []
+    jobs, not_started = [], {}
 
-    def stopped(signum, _frame):  # `timeout` and schedulers send SIGTERM: end through the `finally` below, which
-        report(f"stopped by signal {signum}")  # kills the jobs (sessions of their own) and packs the logs
-        raise SystemExit(128 + signum)
+    def stopped(signum, _frame):  # `timeout` and schedulers send SIGTERM, a closed terminal SIGHUP: end through the
+        report(f"stopped by signal {signum}")  # `finally` below, which kills the jobs (sessions of their own), packs
+        raise SystemExit(128 + signum)  # the logs and removes the work folder
     signal.signal(signal.SIGTERM, stopped)
-    dense = ["--cp_backend", "dense", "--cp_chunk", str(row_lengths(args)[0])]
+    signal.signal(signal.SIGHUP, stopped)
 
-    def training_job(base, name):  # base's training run (vanilla, cplm or cplm_dense), under its own name
-        mode, extra = (0, []) if base == "vanilla" else (1, dense if base == "cplm_dense" else [])
-        return [Job(name, maybe_injected(name, train_cmd(args, work, mode, name, extra)), work, env)]
+    def start(name, cmd, limit_s=None, turn_budget=None, warm_limit_s=None):
+        job_env = dict(env)
+        if name not in SMALL:
+            job_env["GPU_CHECK_MEMORY_FRACTION"] = str(MEMORY_SHARE.get(name, 0.25))
+        job = Job(name, injected(args, name, cmd, work), work, job_env, limit_s, warm_limit_s)
+        if turn_budget is not None:
+            job.turn_budget = turn_budget
+        else:  # a training job's timed steps and validation row: 6-25 s on the H200 for 40 steps (0.9 s a step of
+            # 8 micro-steps); a hang gives the GPU back after this
+            job.turn_cap = (20 + 2 * args.steps) if args.dry_run else (60 + 0.5 * args.steps)
+        return job
+
+    def left():
+        return deadline - time.monotonic()
+
+    def ended(name):
+        return any(j.name == name and j.rc is not None for j in jobs)
+
+    def started(name):
+        return any(j.name == name for j in jobs)
+
+    def ok(name):
+        return any(j.name == name and j.rc == 0 for j in jobs)
+
+    def ab_gave_ratio():
+        return any(j.name == "ab" and re.search(r"^REPORT cplm/vanilla step time ratio \(interleaved", j.text(), re.M)
+                   for j in jobs)
+
+    def ab_done():  # its timed part over: rounds and profile
+        return any(j.name == "ab" and ("final" in j.events or j.rc is not None) for j in jobs)
+
+    def flex_failed():
+        cplm = next((j for j in jobs if j.name == "cplm"), None)
+        refcheck = next((j for j in jobs if j.name == "refcheck"), None)
+        return cplm is not None and "warm-up done" not in cplm.events and (
+            (cplm.rc not in (None, 0)) or (refcheck is not None and refcheck.rc == 3))
+
+    def first_pass_over():
+        return all(x.rc is not None for x in jobs if x.name in ("ab", "vanilla", "cplm", "cplm_dense"))
+
+    def quiet_wanted(name):  # ab gave no ratio: the separate processes' ratio is the answer, from clean windows
+        j = next((j for j in jobs if j.name == name), None)
+        return (j is not None and j.rc == 0 and first_pass_over() and not ab_gave_ratio()
+                and bool(compiling_beside(j, jobs)))
+
+    def alone():  # no training job running: a quiet re-run has the machine to itself
+        return not any(j.rc is None and j.name not in SMALL for j in jobs)
+
+    def fallback_over():  # the accumulation runs and the sentinel come after the fallback, where it is needed
+        return ab_gave_ratio() or first_pass_over() and all(
+            not quiet_wanted(m) or ended(f"{m}_quiet") or f"{m}_quiet" in not_started for m in TIMED)
+
+    refcheck = [sys.executable, os.path.join(HERE, "cuda_cp_check.py")] + (["--dry_run"] if args.dry_run else [])
+    devices = [sys.executable, os.path.join(HERE, "device_checks.py")] + (["--dry_run"] if args.dry_run else [])
+    ab_turn = ab_s + budget(args, "ab_profile") + (20 if args.dry_run else 60)
+    # the plan, by value: (job, when it may start, the time it needs left, how to start it); each starts at most once,
+    # as soon as its condition holds, a training slot is free and the time it needs is left
+    plan = [
+        ("devices", lambda: True, 0, lambda: start("devices", devices, limit_s=budget(args, "devices"))),
+        ("refcheck", lambda: True, 0, lambda: start("refcheck", refcheck,
+                                                    turn_budget=budget(args, "refcheck_turn"))),
+        ("ab", lambda: True, 0, lambda: start("ab", ab_cmd(args, "vanilla,cplm", ab_s, left(), profile=True),
+                                              turn_budget=ab_turn, warm_limit_s=budget(args, "ab_warm"))),
+        ("cplm", lambda: True, 0, lambda: start("cplm", train_cmd(args, work, "cplm", "cplm"))),
+        ("vanilla", lambda: True, 0, lambda: start("vanilla", train_cmd(args, work, "vanilla", "vanilla"))),
+        ("cplm_dense", flex_failed, budget(args, "dense_min"),
+         lambda: start("cplm_dense", train_cmd(args, work, "cplm_dense", "cplm_dense"))),
+        *[(f"{m}_quiet", lambda m=m: quiet_wanted(m) and alone(), budget(args, "rerun_min"),
+           lambda m=m: start(f"{m}_quiet", train_cmd(args, work, m, f"{m}_quiet"))) for m in TIMED],
+        ("cplm_accum", lambda: ab_done() and fallback_over(), budget(args, "accum_min"),
+         lambda: start("cplm_accum", train_cmd(args, work, "cplm", "cplm_accum"))),
+        ("vanilla_accum", lambda: ab_done() and fallback_over(), budget(args, "accum_min"),
+         lambda: start("vanilla_accum", train_cmd(args, work, "vanilla", "vanilla_accum"))),
+        ("ab_sentinel", lambda: ab_done() and fallback_over(), budget(args, "sentinel_min"),
+         lambda: start("ab_sentinel", ab_cmd(args, "vanilla,sentinel", min(budget(args, "sentinel_rounds"), left()),
+                                             left(), profile=False),
+                       turn_budget=budget(args, "sentinel_rounds") + (20 if args.dry_run else 60))),
+    ]
+
+    def on_poll():
+        """The plan's jobs whose time has come."""
+        new = []
+        for name, when, need_s, launch in plan:
+            if started(name) or name in not_started or not when():
+                continue
+            busy = sum(1 for j in jobs + new if j.rc is None and j.name not in SMALL)
+            if name not in SMALL and busy >= BIG_SLOTS:
+                continue
+            if need_s and left() < need_s:
+                not_started[name] = f"{left():.0f}s left, it needs {need_s}s"
+                continue
+            new.append(launch())
+            report(f"  [{time.monotonic() - T0:5.0f}s] {name}: started")
+        return new
+
+    def on_exit(job):
+        open(os.path.join(work, "ended", job.name), "w").close()  # for the tests' --inject JOB:after=OTHER
+        if job.name.startswith("ab"):
+            report(f"  {ab_result(job, jobs)[0]}")
+        elif job.name not in SMALL:  # its numbers now: a call killed later keeps them
+            report(f"  {job_result(job, jobs, work)[0]}")
+        report.pack()
 
     try:
         if synthetic:
-            report(make_synthetic_data(args, work))
-        jobs += training_job("vanilla", "vanilla") + training_job("cplm", "cplm") + [
-            Job("refcheck", maybe_injected("refcheck", refcheck), work, env)]
-        report("jobs started, compiling side by side: vanilla, cplm (flex), refcheck; each timed loop takes its "
-               "turn on the GPU as soon as its job is warm")
+            try:
+                report(make_synthetic_data(args, work, until=deadline))
+            except TimeoutError as e:
+                report(f"no shards at --data {args.data}, and the synthetic documents were not made by the deadline "
+                       f"({e}): nothing was started (fewer --steps, or a longer --deadline_s)")
+                return 0
         report("")
-        report("== device checks (while the jobs compile) ==")
-        try:
-            device_checks(report, device, args.dry_run)
-        except Exception as e:
-            report(f"device checks: FAILED ({type(e).__name__}: {e})")
-        report("")
-        report("== jobs ==")
-        fell_back = []
-
-        def on_exit(job):
-            if not job.name.startswith("refcheck"):  # its numbers now: a call killed later keeps them
-                report(f"  {job_result(job, jobs, work)[0]}")
-            report.pack()
-            return fallback(job) or quiet(job) or pair(job)  # a fallback just started runs: nothing beside it
-
-        def fallback(job):  # CPLM (flex) died before its warm-up ended, or the reference check found flex
-            # unusable (exit 3): the dense CP sums in its place, if time is left
-            cplm = next(j for j in jobs if j.name == "cplm")
-            flex_failed = (job.name == "cplm" and job.rc != 0) or (job.name == "refcheck" and job.rc == 3)
-            if flex_failed and not fell_back and "warm-up done" not in cplm.events \
-                    and deadline - time.monotonic() > (20 if args.dry_run else 150):
-                cplm.kill("flex failed")
-                fell_back.append(True)
-                report("  CPLM (flex) failed before its warm-up ended: CPLM with the dense CP sums instead")
-                return training_job("cplm_dense", "cplm_dense")
-            return []
-
-        def rerun_fits(mode):  # a re-run of mode starts only with 1.5 times its longest good re-run left (whole
-            # process: start, warm-cache compile, warm-up, steps, validation), or QUIET_MIN_S before it has one
-            took = [j.ended - j.started for j in jobs if j.rc == 0 and re.fullmatch(rf"{mode}_(quiet|rep\d+)", j.name)]
-            return deadline - time.monotonic() > (1.5 * max(took) if took else QUIET_MIN_S)
-
-        def quiet(job):  # a mode timed beside a compile: timed again alone, once every other job has ended
-            if any(j.rc is None for j in jobs):
-                return []
-            for j in jobs:
-                beside = compiling_beside(j, jobs) if j.name in TIMED and j.rc == 0 else None
-                if beside and all(x.name != f"{j.name}_quiet" for x in jobs) and rerun_fits(j.name):
-                    report(f"  {j.name} was timed while {', '.join(beside)} compiled: {j.name} once more, alone "
-                           f"({j.name}_quiet; its compile cache is warm)")
-                    return training_job(j.name, f"{j.name}_quiet")
-            return []
-
-        def pair(job):  # then both modes again, one at a time, in ABBA order (CPLM, vanilla, vanilla, CPLM, ...)
-            # so that a drift of the card's speed over the pairs does not favour one mode; the first failure stops them
-            reps = [j for j in jobs if "_rep" in j.name]
-            ok = {j.name for j in jobs if j.rc == 0}
-            cplm = "cplm_dense" if "cplm_dense" in ok else "cplm" if "cplm" in ok else None
-            k, second = len(reps) // 2 + 1, len(reps) % 2
-            base = (cplm, "vanilla")[second ^ (k % 2 == 0)]
-            if any(j.rc is None for j in jobs) or len(reps) >= 2 * args.pairs or not (cplm and "vanilla" in ok) \
-                    or any(j.rc != 0 for j in reps) or not rerun_fits(base):
-                return []
-            return training_job(base, f"{base}_rep{k}")
-
-        run_jobs(jobs, deadline, report, on_exit)
-        write_summary(report, args, work, jobs)
+        report("== jobs (each timed part takes its turn on the GPU as soon as its job is warm) ==")
+        run_jobs(jobs, deadline, report, on_poll, on_exit)
+        for name, when, need_s, launch in plan:
+            if not started(name) and name not in not_started and when():
+                not_started[name] = "no time or no free slot before the deadline"
+        write_summary(report, args, work, jobs, not_started)
     finally:  # whatever happened above: no child left running, the logs packed into $OUT, the work folder gone
         for j in jobs:
             j.kill("the driver stopped")

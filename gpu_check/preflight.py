@@ -825,16 +825,36 @@ def every_kernel_table(train_len=48 * 1024, val_len=256 * 1024):
     return rows
 
 
-if __name__ == "__main__":  # records/gpu/README.md's tables: python3 gpu_check/preflight.py [sm_90 sm_80 sm_89] [WHAT]
-    # WHAT: none, the FlexAttention kernels per card; memory: what a rank holds; every: every kernel compiled
+TABLES = ("memory", "every")  # besides the FlexAttention kernels' table (no WHAT)
+
+
+def main(argv=None):
+    """records/gpu/README.md's tables: python3 gpu_check/preflight.py [sm_90 sm_80 sm_89] [memory | every]."""
+    import argparse
     import sys
+    p = argparse.ArgumentParser(prog="preflight.py", description="The GPU pre-flight's tables, on a machine without "
+                                "a GPU: the FlexAttention kernels compiled for each card (no WHAT), what one rank "
+                                "holds at its peak (memory), every kernel of a step compiled for the card (every; a "
+                                "CUDA build of torch). Needs Triton: pip install triton==3.6.0 'numpy<2.3'.")
+    p.add_argument("what", nargs="*", metavar="CARD_OR_WHAT", help=f"cards ({', '.join(CARDS)}; default sm_90) and "
+                   f"at most one of {', '.join(TABLES)}")
+    args = p.parse_args(argv)
+    unknown = [w for w in args.what if w not in CARDS and w not in TABLES]
+    if unknown:
+        p.error(f"unknown {', '.join(unknown)}: name cards ({', '.join(CARDS)}) and one of {', '.join(TABLES)}")
+    try:
+        import triton
+    except ImportError:  # the CPU build of torch comes without it
+        print("preflight.py: error: the pre-flight compiles kernels with Triton, which this torch build lacks: "
+              "pip install triton==3.6.0 'numpy<2.3'", file=sys.stderr)
+        return 1
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import triton
-    names = [n for n in sys.argv[1:] if n not in ("memory", "every")] or ["sm_90"]
+    names = [n for n in args.what if n in CARDS] or ["sm_90"]
+    what = set(args.what)
     for name in names:
         t0 = time.perf_counter()
         with card(name) as gpu:
-            if "every" in sys.argv:
+            if "every" in what:
                 print(f"torch {torch.__version__}, triton {triton.__version__}; {name}: every Triton kernel of the "
                       "speedrun preset, as inductor's CUDA path compiles it\n| mode | graph | kernels (distinct) | "
                       "largest shared memory | most registers | with a stack frame | compile CPU time, of it "
@@ -850,7 +870,7 @@ if __name__ == "__main__":  # records/gpu/README.md's tables: python3 gpu_check/
                           f"{sum(s > 0 for s in stacks)} (largest {max(stacks)} B)"
                           f" | {seconds:.0f} s, {compiling:.0f} s |", flush=True)
                 continue
-            if "memory" in sys.argv:
+            if "memory" in what:
                 print(f"torch {torch.__version__}; {name}: what one rank holds at its peak, GiB (LM head "
                       f"{'FP8' if capability() >= 89 else 'bf16'}; rotary tables of 256Ki rows)\n| mode | graph | "
                       "row (tokens) | graphs' buffers | weights, optimizer states, tables | total |\n"
@@ -873,3 +893,9 @@ if __name__ == "__main__":  # records/gpu/README.md's tables: python3 gpu_check/
               f"{gpu.shared_memory_per_block_optin} B of shared memory a block ({time.perf_counter() - t0:.0f}s); "
               f"{len(too_big)} kernels would not launch", flush=True)
         print(markdown_table(table), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

@@ -17,6 +17,7 @@ import argparse
 import glob
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -57,15 +58,19 @@ def pieces(documents, encoder, rng, budget, median=1500, sigma=1.0, lo=64, hi=16
     return np.concatenate([np.asarray(p, dtype=np.uint16) for p in out])[:budget]
 
 
-def synthetic_tokens(budget, rng, median=700, sigma=1.0, lo=64, hi=16384, copy_share=0.2, vocab=GPT2_BOS):
+def synthetic_tokens(budget, rng, median=700, sigma=1.0, lo=64, hi=16384, copy_share=0.2, vocab=GPT2_BOS, until=None):
     """FineWeb-like documents that need no text and no tokenizer (first_call.py without prepared shards): lengths
     drawn log-normal, clipped to [lo, hi] (median 700: about 1140 tokens a document, sum L^2 / T^2 near 0.06 at
     48Ki-token rows); ids Zipf-distributed over the vocabulary (a fixed random ranking), and about copy_share of
     each document spans copied from earlier in it (mean 8 tokens): 68% of tokens occur earlier in their document
-    (FineWeb-Edu: about 60%), so that a model has something to learn and to copy. What the step time depends on is the row's document structure; the losses are not English's."""
+    (FineWeb-Edu: about 60%), so that a model has something to learn and to copy. What the step time depends on is
+    the row's document structure; the losses are not English's. until: a time.monotonic() past which it raises
+    TimeoutError (first_call.py's deadline)."""
     ranking = np.random.default_rng(1).permutation(vocab)
     out, total = [], 0
     while total < budget:
+        if until is not None and time.monotonic() > until:
+            raise TimeoutError(f"{total:,} of {budget:,} tokens made")
         n = int(np.clip(rng.lognormal(np.log(median), sigma), lo, hi))
         doc = ranking[(rng.zipf(1.2, n) - 1) % vocab]
         for _ in range(int(n * copy_share / 8)):

@@ -1,0 +1,30 @@
+"""One training job of the GPU check: train_gpt_cplm.main as the script runs it, with the GPU turn taken once the
+untimed warm-up is done, just before the clock starts (so a job's timed steps never share the GPU with another
+job's); the lock is held until the job ends.
+
+    python3 gpu_check/job.py --cplm 1 --num_iterations 40 ...     (train_gpt_cplm.py's flags)
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+import train_gpt_cplm as tg  # noqa: E402
+from gpu_turn import limit_gpu_memory, take_turn  # noqa: E402
+
+
+def main(argv=None):
+    held = []  # the turn's lock, kept open until the process ends
+    limit_gpu_memory()
+    try:
+        return tg.main(argv, before_clock=lambda: held.append(take_turn()))
+    except tg.UsageError as e:
+        print(f"job.py: error: {e} (see python3 train_gpt_cplm.py --help)", file=sys.stderr)
+        return 2
+    except tg.DataError as e:
+        print(f"job.py: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
