@@ -240,7 +240,8 @@ def test_first_call_dry_run_falls_back_to_separate_processes_when_the_ab_hangs(t
     assert re.search(r"^  \[ *\d+s\] refcheck: killed \(past its share of the GPU, 20s\)", report, re.M), report
     assert "cplm: exit 7 -- injected failure before warm-up" in report
     assert "cplm/vanilla step time ratio (interleaved): none (ab killed (past its share of the GPU, 36s)" in report
-    assert re.search(r"^vanilla: ok; .*\(steps 2-4, timed while [\w, ]*cplm_dense[\w, ]* compiled;", report, re.M), report
+    assert re.search(r"^vanilla: ok; .*\(steps 2-4, timed while [\w, ]*cplm_dense[\w, ]* compiled;", report,
+                     re.M), report
     assert re.search(r"^vanilla_quiet: ok; .*; steps 4; step time [\d.]+ ms \(steps 2-4, no compile beside it;", report,
                      re.M), report
     assert re.search(r"^cplm_dense(_quiet)?/vanilla step time ratio \(separate processes\): \d\.\d{3} \("
@@ -268,7 +269,7 @@ def test_first_call_killed_midway_leaves_only_the_report_and_the_tarball(tmp_pat
         assert re.search(r"cplm: exit 7; never finished compiling; steps \d+; step time none; .*peak memory", report)
         with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
             assert "logs/cplm.stdout" in tar.getnames()
-    finally:  # its jobs run in sessions of their own: they outlive it
+    finally:  # its jobs run in process groups of their own: they outlive it
         proc.kill()
         for _ in range(2):
             _kill_jobs_of(tmp_path)
@@ -278,8 +279,8 @@ def test_first_call_killed_midway_leaves_only_the_report_and_the_tarball(tmp_pat
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_first_call_stopped_by_a_signal_kills_its_jobs_and_packs_the_logs(tmp_path, signum):
     """SIGTERM (what `timeout` sends) and SIGHUP (a closed terminal; a hostile tester's: it orphaned the jobs, left
-    the work folder and no "stopped" line) end the driver through its clean-up: the jobs, in sessions of their own,
-    killed, the logs packed, a "stopped" line, the work folder removed."""
+    the work folder and no "stopped" line) end the driver through its clean-up: the jobs, in process groups of
+    their own, killed, the logs packed, a "stopped" line, the work folder removed."""
     proc = start_first_call(tmp_path, "vanilla:hang", deadline=120)
     try:
         watch_out(proc, tmp_path / "out", until=lambda names: "report.txt" in names, timeout=60)
@@ -305,7 +306,8 @@ def _jobs_of(tmp_path):
         except OSError:
             return []
     mark = f"TMPDIR={tmp_path / 'tmp'}".encode()
-    return [pid for pid in (int(x) for x in os.listdir("/proc") if x.isdigit()) if pid != os.getpid() and mark in environ(pid)]
+    return [pid for pid in (int(x) for x in os.listdir("/proc") if x.isdigit())
+            if pid != os.getpid() and mark in environ(pid)]
 
 
 def _kill_jobs_of(tmp_path):

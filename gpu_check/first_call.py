@@ -214,7 +214,8 @@ def make_synthetic_data(args, work, until):
     rng = np.random.default_rng(0)
     for split, n in (("train", max(args.steps + 8, 10 * 8) * row), ("val", eval_row + 1)):
         write_shard(os.path.join(args.data, f"synthetic_{split}_000000.bin"), synthetic_tokens(n, rng, until=until))
-    return (f"no shards at --data {given}: synthetic FineWeb-like documents instead, made in {time.monotonic() - t0:.1f}s "
+    return (f"no shards at --data {given}: synthetic FineWeb-like documents instead, made in "
+            f"{time.monotonic() - t0:.1f}s "
             "(gpu_check/prepare_gpu_data.py's synthetic_tokens: log-normal lengths, Zipf ids, copied spans; no "
             "tokenizer): the step times hold, the losses are not English text's")
 
@@ -224,8 +225,8 @@ def model_flags(args, mode_flags=()):
     run the cpu preset, tiny: the same program path on a CPU in seconds. Validation rows of the record's 256Ki
     tokens (512 in a dry run), the rotary tables sized for them."""
     val_row = str(row_lengths(args)[1])
-    data = ["--train_files", os.path.join(args.data, "*_train_*.bin"), "--val_files", os.path.join(args.data, "*_val_*.bin"),
-            "--val_tokens", val_row, "--val_seq_len", val_row]
+    data = ["--train_files", os.path.join(args.data, "*_train_*.bin"),
+            "--val_files", os.path.join(args.data, "*_val_*.bin"), "--val_tokens", val_row, "--val_seq_len", val_row]
     if args.dry_run:
         return ["--preset", "cpu", "--num_layers", "2", "--model_dim", "64", "--num_heads", "2", "--batch_size", "256",
                 "--seq_len", "256", "--warmup_steps", "1", *data, *mode_flags]
@@ -233,7 +234,8 @@ def model_flags(args, mode_flags=()):
             *data, *mode_flags]
 
 
-MODE_FLAGS = {"vanilla": ["--cplm", "0"], "cplm": ["--cplm", "1"], "cplm_dense": ["--cplm", "1", "--cp_backend", "dense"]}
+MODE_FLAGS = {"vanilla": ["--cplm", "0"], "cplm": ["--cplm", "1"],
+              "cplm_dense": ["--cplm", "1", "--cp_backend", "dense"]}
 
 
 def train_cmd(args, work, base, name):
@@ -286,7 +288,8 @@ def run_jobs(jobs, deadline, report, on_poll, on_exit):
         for j in jobs:
             if j.rc is None and j.limit_s is not None and now - j.started > j.limit_s:
                 j.kill(f"past its time limit, {j.limit_s:.0f}s")
-            elif j.rc is None and j.warm_limit_s is not None and j.compiled() is None and now - j.started > j.warm_limit_s:
+            elif j.rc is None and j.warm_limit_s is not None and j.compiled() is None \
+                    and now - j.started > j.warm_limit_s:
                 j.kill(f"not warm after {j.warm_limit_s:.0f}s")
             elif j.rc is None and "gpu turn" in j.events:
                 if not hasattr(j, "turn_taken"):
@@ -418,7 +421,8 @@ def write_summary(report, args, work, jobs, not_started):
     for j in jobs:
         if j.name in SMALL:
             lines = [x for x in j.text().splitlines() if x.strip() and not x.startswith(("REPORT", "USDT"))]
-            report(f"{j.name}: {j.status()}" + (("; " + " | ".join(lines[-9:])) if lines and j.name == "refcheck" else ""))
+            shown = ("; " + " | ".join(lines[-9:])) if lines and j.name == "refcheck" else ""
+            report(f"{j.name}: {j.status()}{shown}")
         elif j.name.startswith("ab"):
             line, interleaved[j.name] = ab_result(j, jobs)
             report(line)
@@ -463,7 +467,8 @@ def write_summary(report, args, work, jobs, not_started):
         why = "; ".join(f"{name}: {w[1]}" for name, w in window.items() if name not in clean and "accum" not in name)
         report("cplm/vanilla step time ratio (separate processes): none (" + (
             f"a mode has no window with no compile beside it (its re-run alone is made only where the interleaved "
-            f"A/B gave no ratio, and must fit the time left): {why})" if why else "a mode gave no step time: see above)"))
+            f"A/B gave no ratio, and must fit the time left): {why})" if why else
+            "a mode gave no step time: see above)"))
     accum = {n: window[n][0] for n in ("vanilla_accum", "cplm_accum") if n in window}
     logs = {n: parse_train_log(os.path.join(work, "logs", f"{n}.txt")) for n in ("vanilla_accum", "cplm_accum")}
     report(f"the record's {RECORD_BATCH:,} tokens a step on one GPU (8 micro-steps of {row_lengths(args)[0]} tokens; "
@@ -480,12 +485,14 @@ def parse_args(argv):
     p.add_argument("--out", required=True, help="report.txt and logs.tar.gz go here ($OUT); not a call's folder")
     p.add_argument("--data", default=".gpu_data", help="shards from gpu_check/prepare_gpu_data.py (none: synthetic)")
     p.add_argument("--deadline_s", type=float, default=570)
-    p.add_argument("--steps", type=int, default=40, help="timed steps of the separate jobs (a train loss every quarter)")
+    p.add_argument("--steps", type=int, default=40,
+                   help="timed steps of the separate jobs (a train loss every quarter)")
     p.add_argument("--ab_s", type=float, help="the interleaved A/B's timed rounds, seconds (default 120; dry run 6)")
     p.add_argument("--bos", type=int, default=50256)
     p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in a few minutes")
     p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang (in its timed part, holding the GPU), "
-                   "JOB:stall (never warm, never ends), JOB:slow_compile[=S], JOB:after=OTHER (starts once OTHER ended); "
+                   "JOB:stall (never warm, never ends), JOB:slow_compile[=S], "
+                   "JOB:after=OTHER (starts once OTHER ended); "
                    f"comma-separated; JOB one of {', '.join(JOBS)}")
     args = p.parse_args(argv)
     try:
@@ -500,7 +507,8 @@ def parse_args(argv):
     if not 0 < args.deadline_s < 1e6:  # nan too: nothing would ever be killed at the deadline
         raise ValueError(f"--deadline_s must be a number of seconds in (0, 1e6), not {args.deadline_s}")
     if args.steps < 2:
-        raise ValueError(f"--steps must be 2 or more (a timed window lies between two train_loss lines), not {args.steps}")
+        raise ValueError(f"--steps must be 2 or more (a timed window lies between two train_loss lines), "
+                         f"not {args.steps}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} is a file: it names the folder report.txt and logs.tar.gz go into")
     held = [n for n in ("report.txt", "logs.tar.gz") if os.path.exists(os.path.join(args.out, n))]
@@ -566,8 +574,8 @@ def main(argv=None):
     jobs, not_started = [], {}
 
     def stopped(signum, _frame):  # `timeout` and schedulers send SIGTERM, a closed terminal SIGHUP: end through the
-        report(f"stopped by signal {signum}")  # `finally` below, which kills the jobs (sessions of their own), packs
-        raise SystemExit(128 + signum)  # the logs and removes the work folder
+        report(f"stopped by signal {signum}")  # `finally` below, which kills the jobs (each in a process group of
+        raise SystemExit(128 + signum)  # its own, which no signal to ours reaches), packs the logs, removes the folder
     signal.signal(signal.SIGTERM, stopped)
     signal.signal(signal.SIGHUP, stopped)
 
