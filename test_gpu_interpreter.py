@@ -52,7 +52,7 @@ def run_check(T, fault=None, kernel_options=None, timeout=1800):
     (exit code, output, seconds)."""
     cache = tempfile.TemporaryDirectory(prefix="inductor_interpret_")  # its kernels only: no stale ones
     env = dict(os.environ, TRITON_INTERPRET="1", TORCHINDUCTOR_COMPILE_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache.name)
-    env.pop("CPLM_GPU_TURN", None)  # cuda_cp_check would wait for first_call.py's GPU turn
+    env.pop("GPU_CHECK_TURN", None)  # cuda_cp_check would wait for first_call.py's GPU turn
     cmd = [sys.executable, os.path.abspath(__file__), "--T", str(T)]
     if fault:
         cmd += ["--fault", fault]

@@ -319,8 +319,9 @@ def main(argv=None):
     print(f"warm-up done: {', '.join(names)}", flush=True)
     turn = take_turn()  # held for the rounds and the profile
     order = list(names)
-    first = timed_round(modes, order, 0, loader.next_batch(device), device)  # one more, to size the rounds
-    round_s = sum(ms for ms, _ in first.values()) / 1000
+    t0 = time.monotonic()  # one more round, to size the rounds by the wall clock (the loader and the sync included)
+    timed_round(modes, order, 0, loader.next_batch(device), device)
+    round_s = time.monotonic() - t0
     reserve = args.profile_reserve_s if args.profile_steps else 0
     budget = min(args.rounds_s, end - time.monotonic() - reserve)
     if budget < args.rounds_s:
