@@ -347,6 +347,7 @@ def test_first_call_refuses_bad_arguments_in_one_line_and_starts_nothing(tmp_pat
                         (["--out", str(tmp_path / "call")], "holds a call's report.txt already"),
                         (out + ["--deadline_s", "nan"], "--deadline_s"),
                         (out + ["--deadline_s", "-5"], "--deadline_s"),
+                        (out + ["--ab_s", "0"], "--ab_s"),
                         (out + ["--inject", "foo"], "--inject foo"),
                         (out + ["--inject", "vanilla:explode"], "--inject vanilla:explode"),
                         (out + ["--pairs", "x"], "unrecognized arguments: --pairs x"),

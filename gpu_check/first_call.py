@@ -1,7 +1,7 @@
 """The GPU check: one command for a short, time-limited GPU allocation that always comes back with a report.
 
     python3 gpu_check/first_call.py --out "$OUT"                 # on a machine with a GPU (records/gpu/README.md)
-    python3 gpu_check/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny, in a few minutes
+    python3 gpu_check/first_call.py --dry_run --out /tmp/fc      # the same program on a CPU, tiny: about a minute
 
 Needs one CUDA GPU (FP8 and 80 GB or more, e.g. an H100 or H200), torch with Triton and this repository; no
 internet and no data. Returns $OUT/report.txt (written line by line, flushed) and $OUT/logs.tar.gz (every job's
@@ -484,12 +484,13 @@ def parse_args(argv):
     p.error = lambda message: (_ for _ in ()).throw(ValueError(message))  # one line, not argparse's usage block
     p.add_argument("--out", required=True, help="report.txt and logs.tar.gz go here ($OUT); not a call's folder")
     p.add_argument("--data", default=".gpu_data", help="shards from gpu_check/prepare_gpu_data.py (none: synthetic)")
-    p.add_argument("--deadline_s", type=float, default=570)
+    p.add_argument("--deadline_s", type=float, default=570, help="everything done by then, the report included "
+                   "(570: inside a 590 s command)")
     p.add_argument("--steps", type=int, default=40,
                    help="timed steps of the separate jobs (a train loss every quarter)")
     p.add_argument("--ab_s", type=float, help="the interleaved A/B's timed rounds, seconds (default 120; dry run 6)")
     p.add_argument("--bos", type=int, default=50256)
-    p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in a few minutes")
+    p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in about a minute")
     p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang (in its timed part, holding the GPU), "
                    "JOB:stall (never warm, never ends), JOB:slow_compile[=S], "
                    "JOB:after=OTHER (starts once OTHER ended); "
@@ -506,6 +507,8 @@ def parse_args(argv):
                              "slow_compile[=S], after=JOB")
     if not 0 < args.deadline_s < 1e6:  # nan too: nothing would ever be killed at the deadline
         raise ValueError(f"--deadline_s must be a number of seconds in (0, 1e6), not {args.deadline_s}")
+    if args.ab_s is not None and not 0 < args.ab_s < 1e6:
+        raise ValueError(f"--ab_s must be a number of seconds in (0, 1e6), not {args.ab_s}")
     if args.steps < 2:
         raise ValueError(f"--steps must be 2 or more (a timed window lies between two train_loss lines), "
                          f"not {args.steps}")
@@ -599,9 +602,6 @@ def main(argv=None):
 
     def started(name):
         return any(j.name == name for j in jobs)
-
-    def ok(name):
-        return any(j.name == name and j.rc == 0 for j in jobs)
 
     def ab_gave_ratio():
         return any(j.name == "ab" and re.search(r"^REPORT cplm/vanilla step time ratio \(interleaved", j.text(), re.M)
