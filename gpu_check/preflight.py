@@ -344,8 +344,13 @@ def lower(fn, *inputs, backward=True, sm90=False, generate=False):
 
     torch._dynamo.reset()
     patches = {"cpu_backend": "triton", "fx_graph_cache": False, "force_disable_caches": True}
+    # a graph stopped at code generation leaves its folder in inductor's cache folder: a temporary one, except where
+    # the rendered kernels' modules are read afterwards (sm90: compile_cubin loads them)
+    cache = contextlib.nullcontext() if sm90 else tempfile.TemporaryDirectory(prefix="preflight_")
     try:
-        with unittest.mock.patch.object(flex_module, "_validate_device", lambda *a, **k: None), \
+        with cache as cache_dir, \
+                unittest.mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir} if cache_dir else {}), \
+                unittest.mock.patch.object(flex_module, "_validate_device", lambda *a, **k: None), \
                 inductor_config.patch(patches):
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*inputs)
             loss = out if isinstance(out, torch.Tensor) else None
