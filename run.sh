@@ -78,7 +78,7 @@ if [ "${1:-}" = test ]; then  # -rs: each skipped test says why, and what enable
     shift
     exec "$PYTHON" -m pytest -q -rs test_cplm.py test_cli.py test_run_files.py test_data.py test_experiments.py \
         test_compare.py test_inference.py test_mechanism.py test_baselines.py test_test_slice.py test_gpu_preflight.py \
-        test_gpu_kernels.py test_gpu_interpreter.py "$@"
+        test_gpu_kernels.py test_gpu_interpreter.py test_gpu_interleaved.py test_gpu_roofline.py "$@"
 fi
 
 if [ "$gpus" -gt 0 ]; then  # (a CPU build of torch on a GPU machine runs the race)

@@ -816,7 +816,7 @@ def test_gpu_cp_check_runs_and_passes_on_cpu(monkeypatch, capsys, fault):
     caught by the gradients' norm-wise error."""
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
-    check = _load("tools/cuda_cp_check.py")
+    check = _load("gpu_check/cuda_cp_check.py")
     if fault:
         copy_lses = tg.copy_lses
         monkeypatch.setattr(tg, "copy_lses", lambda *a, **k: tuple(map(_ScaledGradient.apply, copy_lses(*a, **k))))

@@ -1,7 +1,7 @@
 #!/bin/bash
 # CPLM's CPU step against vanilla's at the cpu preset on English in GPT-2 tokens: 20-step training runs,
 # vanilla and CPLM in turn, twice, one at a time on a quiet machine; each log is kept (its source at the top).
-# Data: python3 tools/prepare_gpu_data.py --out_dir data/prose_gpt2 --name prose_gpt2 --train_tokens 5000000
+# Data: python3 gpu_check/prepare_gpu_data.py --out_dir data/prose_gpt2 --name prose_gpt2 --train_tokens 5000000
 #       --val_tokens 400000 (from the prose corpus of data/build_prose_corpus.sh)
 # Run from the repository root: bash records/cp_cost/step_time_2026-12-02/measure.sh
 set -eu
