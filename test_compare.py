@@ -567,3 +567,14 @@ def test_readmes_speedrun_row_is_the_judges_output_on_the_records():
     direct = compare.judge(logs, target_from="vanilla lr_muon=0.02", strict=True,
                            step_times=compare.read_step_times(os.path.join(ROOT, "records/cpu_speedrun/step_time.txt")))
     assert direct["target"] == judgement["target"] and direct["series"] == judgement["series"]
+
+
+def test_a_run_stopped_by_a_nan_train_loss_is_diverged_not_its_last_validation(tmp_path):
+    """A reviewer's: a run stopped by `train_loss is nan` counted with its last finite validation; a huge final
+    loss raised OverflowError."""
+    _runs(tmp_path, CPLM, 300, [3.25, 3.26, 3.27])
+    write_log(tmp_path / "cplm_n300_s3.txt", "x", hp(3, num_iterations=300), CURVE_A[:2],
+              stopped="train_loss is nan at step 150; lower the learning rates or check the data")
+    (g,) = judge_dir(tmp_path, target=3.28)["groups"]
+    assert g["n"] == 4 and g["n_excluded"] == 0 and g["decision"]["n_nonfinite"] == 1 and not g["decision"]["passed"]
+    assert compare.mean_std([1e300, -1e300])[1] == math.inf

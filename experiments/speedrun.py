@@ -25,6 +25,7 @@ Each mode runs at its best learning-rate scale of the 1000-step sweeps (records/
 """
 import datetime
 import json
+import math
 import os
 import re
 import sys
@@ -118,7 +119,9 @@ def final_of(path, mode, steps, seed):
         raise SystemExit(f"speedrun.py: error: {path} holds a run of {found} (mode, steps, seed, data_seed), "
                          f"not the {said} its name says: move it out of the study's folder")
     compare.mark_excluded([log])
-    return log["val"][-1]["loss"] if log["excluded"] is None else None
+    if log["excluded"] is not None:
+        return None
+    return next(iter(compare.finals_of({"logs": [log]}).values()))  # nan for a run that diverged
 
 
 def finals(out, mode, steps, scale=None, seeds=SEEDS):
@@ -147,6 +150,8 @@ def fix_target(out, n):
         raise SystemExit(f"speedrun.py: error: {out}/target.json is missing but other modes' logs exist "
                          f"({others[0]}, ...): restore target.json (git checkout) rather than fix it after them")
     mean, sd = compare.mean_std(list(losses.values()))
+    if not math.isfinite(mean):  # a diverged vanilla run: no target can be fixed from these five
+        raise SystemExit(f"speedrun.py: error: a vanilla run at N diverged ({losses}): rerun it before fixing the target")
     fixed = {"target": mean, "sd": sd, "steps": n, "finals": losses,
              "fixed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "rule": "the mean final val loss of vanilla at N over seeds 0-4, fixed before any other mode was read"}

@@ -229,7 +229,7 @@ def mean_std(xs):
     m = sum(xs) / n
     if n < 2:
         return m, None
-    var = sum((x - m) ** 2 for x in xs) / (n - 1)
+    var = sum((x - m) * (x - m) for x in xs) / (n - 1)  # a product: an overflow gives inf, not an error
     return m, math.sqrt(var)
 
 
@@ -528,7 +528,9 @@ def finals_of(group):
     for log in group["logs"]:
         if log["excluded"] is None:
             hp = log["hyperparameters"]
-            out.setdefault((hp.get("seed"), hp.get("data_seed")), log["val"][-1]["loss"])
+            # a run stopped by a non-finite train loss diverged: its last validation is not its final
+            diverged = bool(re.match(r"train_loss is (nan|inf|-inf)", log.get("stopped") or ""))
+            out.setdefault((hp.get("seed"), hp.get("data_seed")), math.nan if diverged else log["val"][-1]["loss"])
     return out
 
 
@@ -799,7 +801,7 @@ def format_report(result, show_runs=None):
     out += [""] + _wrap("Steps and time to target. rule: the shortest schedule that passes (the longest that "
                         "fails below it); crossing: where the mean final loss meets the target between the "
                         "schedules run (± sd over seeds), or, for one schedule, where its mean validation curve "
-                        f"does (curve). time = steps x step time over "
+                        "does (curve). time = steps x step time over "
                         + (f"{ref['series']}'s" if ref else "the reference's") + f"; step times: {source}.")
     rows = []
     for s in result["series"]:
