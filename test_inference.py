@@ -261,7 +261,7 @@ def test_load_model_gives_back_the_saved_model_and_refuses_bad_files(checkpoints
     state = torch.load(path, weights_only=True)  # what save_checkpoint writes loads without running any code
     # a file that would run code when unpickled (any object but tensors and plain containers) is refused
     torch.save({**state, "extra": PickledObject()}, tmp_path / "code.pt")
-    with pytest.raises(tg.DataError, match="not a readable checkpoint.*Unpickl"):
+    with pytest.raises(tg.DataError, match="could run code"):
         inference.load_model(str(tmp_path / "code.pt"))
     # changed bytes (the digest no longer matches) and a diverged model are refused as --resume refuses them
     changed = {**state, "model": {**state["model"], "lm_head.weight": state["model"]["lm_head.weight"] * 2}}
