@@ -38,6 +38,12 @@ def load_model(path, device="cpu", max_seq_len=0):
     the rotary table is not saved, so it is rebuilt this long (never shorter than training's). A missing,
     unreadable or mismatched file is a DataError (one line)."""
     a, step, weights = read_model_checkpoint(path, device)
+    return model_from(path, a, weights, device, max_seq_len), a, step
+
+
+def model_from(path, a, weights, device="cpu", max_seq_len=0):
+    """The model (eval mode) that a checkpoint's settings describe, its weights loaded; DataError (one line, naming
+    path) where the settings describe no model or the weights do not fit it."""
     try:
         config = GPTConfig.from_args(a)
     except ValueError as e:
@@ -49,7 +55,7 @@ def load_model(path, device="cpu", max_seq_len=0):
     except (RuntimeError, ValueError, KeyError) as e:
         raise DataError(f"{path}: its weights do not fit the model its hyperparameters describe "
                         f"({str(e).splitlines()[0][:200]})")
-    return model.eval(), a, step
+    return model.eval()
 
 
 def use_dense_paths(model: GPT) -> GPT:

@@ -291,13 +291,7 @@ def read_checked(path, mmap=False):
 def load_model(path):
     """inference.load_model with the settings checked (read_checked) before the model is built."""
     a, step, weights = read_checked(path)
-    model = tg.GPT(tg.GPTConfig.from_args(a))
-    try:
-        model.load_state_dict(weights)
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise EvalError(f"{path}: its weights do not fit the model its hyperparameters describe "
-                        f"({str(e).splitlines()[0][:200]})")
-    return model.eval(), a, step
+    return inference.model_from(path, a, weights), a, step
 
 
 def file_key(path):
