@@ -1005,8 +1005,7 @@ def main(argv=None, before_clock=None):
                          f"{world_size} processes")
     # the run's claim: its lock, the same settings and shards on every rank, a log that a refused start undoes
     with run_files.claim_run(a, rank, distributed, device, sources=(__file__, run_files.__file__)) as log:
-        code = train(a, log, rank, world_size, device, checkpoint, changed, before_clock)
-        return code
+        return train(a, log, rank, world_size, device, checkpoint, changed, before_clock)
 
 
 def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, changed=(), before_clock=None):
