@@ -193,6 +193,7 @@ def test_first_call_dry_run_measures_everything_when_vanilla_hangs_in_its_timed_
     depends on which process is faster (the deadline is far away; the rounds are at least 20 however slow)."""
     report, elapsed, _ = run_first_call(tmp_path, "vanilla:hang", deadline=400, shards=False)
     assert elapsed < 400  # about 80 s on 2 busy cores
+    assert "memory: no caps (a dry run); 3 training processes side by side (at most 3)" in report
     assert f"no shards at --data {tmp_path / 'data'}: synthetic FineWeb-like documents instead" in report
     assert "bf16 GEMM 512^3:" in report and "FP8 _scaled_mm smoke test: relative error" in report
     assert re.search(r"^vanilla: killed \(past its share of the GPU, 28s\)", report, re.M), report
@@ -371,6 +372,52 @@ def test_first_call_makes_its_data_within_the_deadline(tmp_path):
     assert "the synthetic documents were not made by the deadline" in report and "nothing was started" in report
     assert sorted(os.listdir(tmp_path / "out")) == ["logs.tar.gz", "report.txt"]
     assert not list((tmp_path / "tmp").glob("first_call_*"))
+
+
+def test_first_call_memory_caps_and_slots_fit_the_card(monkeypatch):
+    """first_call.py caps each training job's allocator at 1.15x its need (the peaks measured on the H200) and starts
+    one only while the caps of those alive and its own fit the card less its reserve: on an 80 GB H100 (79.1 GiB as
+    torch reads it, 79.6 as nvidia-smi does) no three training jobs run at once, on a 141 GB H200 the first three do;
+    no cap is above the card, and a job whose cap would be (a 40 GB card) runs alone. No card known: no caps."""
+    from itertools import combinations
+    from types import SimpleNamespace
+    import first_call as fc  # gpu_check/, beside preflight
+    training = [n for n in fc.JOBS if n not in fc.SMALL]
+    for card, most in ((79.11, 2), (81559 / 1024, 2), (139.8, 3), (143771 / 1024, 3), (40.0, 1)):
+        caps, usable = fc.memory_plan(card)
+        assert sorted(caps) == sorted(training) and max(caps.values()) <= usable < card, (card, caps)
+        assert fc.slots(caps, usable) == most, card
+        assert all(caps[n] >= 1.15 * 30943 / 1024 - 1e-9 for n in training if card > 80)  # each at least its need
+        if most == 3:
+            assert fc.may_start("vanilla", ["ab", "cplm"], caps, usable)
+        for a, b, c in combinations(training, 3):  # whatever three, in whatever order: never all alive at once
+            for x, y, z in ((a, b, c), (b, c, a), (c, a, b)):
+                assert most == 3 or not (fc.may_start(y, [x], caps, usable) and fc.may_start(z, [x, y], caps, usable))
+        for name in (n for n in training if caps[n] == usable):  # too big for the card: alone
+            assert fc.may_start(name, [], caps, usable) and not any(
+                fc.may_start(other, [name], caps, usable) for other in training)
+        assert f"{most} training process" in fc.memory_line(False, card, caps, usable)
+    assert fc.memory_plan(None) == ({}, None) and fc.slots({}, None) == fc.BIG_SLOTS
+    assert not fc.may_start("vanilla", ["ab", "cplm", "cplm_dense"], {}, None)
+    monkeypatch.setattr(fc.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout="143771\n81559\n"))
+    assert fc.card_memory_gib() == 81559 / 1024  # nvidia-smi's MiB, the smallest card
+
+
+def test_gpu_turn_memory_cap_is_gib_over_the_cards_total(monkeypatch):
+    """gpu_turn.limit_gpu_memory turns $GPU_CHECK_MEMORY_GIB into a fraction of the card's total memory where the job
+    runs, at most all of it; unset, no cap."""
+    import gpu_turn
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2 ** 30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fractions.append)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    for gib in ("34.75", "120"):
+        monkeypatch.setenv("GPU_CHECK_MEMORY_GIB", gib)
+        gpu_turn.limit_gpu_memory()
+    monkeypatch.delenv("GPU_CHECK_MEMORY_GIB")
+    gpu_turn.limit_gpu_memory()
+    assert fractions == [34.75 / 80, 1.0]
 
 
 def test_first_call_packs_across_filesystems(tmp_path, monkeypatch):

@@ -11,9 +11,10 @@ is refused.
 --data is checked first: train and val shards there and readable (a bad or missing split: one line naming the
 command that makes them, exit 1); no shards at all: synthetic FineWeb-like documents made in the work folder
 (prepare_gpu_data.synthetic_tokens, no tokenizer), which the report says. Then jobs, each its own process, by value:
-at most three training processes at once (each with its share of the GPU's memory: the caching allocator keeps a
-process's peak until it exits), their timed parts taking turns on the GPU (a file lock, gpu_turn.py), each as soon
-as its process is warm; a job that outlives its time is killed and reported:
+as many training processes at once as fit the card, at most three (each one's allocator capped at what the job needs,
+NEED_GIB below: the caching allocator keeps a process's peak until it exits; two on an 80 GB H100, three on a 141 GB
+H200), their timed parts taking turns on the GPU (a file lock, gpu_turn.py), each as soon as its process is
+warm; a job that outlives its time is killed and reported:
   1. ab (interleaved.py): vanilla and CPLM built and compiled in one process, their training steps alternated on the
      same batches for --ab_s (at least 200 rounds on the GPU), each step timed with CUDA events: the report's
      `cplm/vanilla step time ratio (interleaved, R rounds): X.XXX [LO, HI]`, a 95% interval from a moving-block
@@ -69,9 +70,24 @@ BUDGET = {
     "accum_min": (150, 15),  # an accumulation job: a compile (the FP8 gradient scale makes new graphs) and 6 steps
     "sentinel_min": (150, 20),  # the sentinel's A/B: two modes' compiles (vanilla's from the cache) and rounds
 }
-BIG_SLOTS = 3  # training processes alive at once (16 cores, 141 GB): the first call ran three side by side
-MEMORY_SHARE = {"ab": 0.4, "ab_sentinel": 0.4}  # of the GPU's memory; every other training job 0.25 (vanilla's peak
-# allocated on the H200: 30.1 GiB of 140; ab holds two models)
+BIG_SLOTS = 3  # training processes alive at once at most (16 cores); fewer where their memory caps do not fit the card
+# Memory: each training job's allocator is capped at MEMORY_MARGIN times what it needs, and jobs run side by side only
+# while their caps fit the card. The need is the peak allocated measured on the H200 (records/gpu/README.md, "What it
+# found": world size 1, one 48Ki-token row; vanilla 30,851 MiB in training, 29,804 in validation; CPLM 30,943 and
+# 29,904), plus, where a job holds more, what it adds by preflight.step_memory's reading (the same README, "Memory
+# per GPU"); those additions are not measured
+ONE_MODEL_GIB = 30943 / 1024  # the larger measured peak, CPLM's in training: 30.2 GiB
+NEED_GIB = {  # every other training job (vanilla, cplm, their quiet re-runs): ONE_MODEL_GIB
+    # two models, whose steps take turns (gradients freed after each): one model's peak and the other's weights,
+    # optimizer states and rotary tables (3.3 GiB)
+    "ab": ONE_MODEL_GIB + 3.3, "ab_sentinel": ONE_MODEL_GIB + 3.3,
+    "vanilla_accum": ONE_MODEL_GIB + 0.74, "cplm_accum": ONE_MODEL_GIB + 0.74,  # the gradients across micro-steps
+    # the dense CP sums in one chunk of 48Ki queries: float32 (T, T) scores (9 GiB), in the backward recomputed beside
+    # their gradient
+    "cplm_dense": ONE_MODEL_GIB + 18, "cplm_dense_quiet": ONE_MODEL_GIB + 18,
+}
+MEMORY_MARGIN = 1.15  # a job's cap over its need: the allocator's slack (fragmentation, compile-time buffers)
+RESERVE_GIB = 5  # of the card, outside the caps: each process's CUDA context and kernels, the small jobs' tensors
 INJECTIONS = ("fail", "hang", "stall", "slow_compile", "after")
 JOBS = ("ab", "vanilla", "cplm", "cplm_dense", "refcheck", "devices", "vanilla_quiet", "cplm_quiet",
         "cplm_dense_quiet", "vanilla_accum", "cplm_accum", "ab_sentinel")
@@ -263,6 +279,64 @@ def ab_cmd(args, modes, rounds_s, end_in_s, profile):
 
 def budget(args, name):
     return BUDGET[name][1 if args.dry_run else 0]
+
+
+def card_memory_gib():
+    """The GPU's total memory in GiB: nvidia-smi's (the smallest card it lists), else torch's read in a subprocess (a
+    CUDA start: seconds); None where neither reads it."""
+    for cmd, unit in ((["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"], 2 ** 20),
+                      ([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory)"],
+                       1)):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+            return min(int(x) for x in out.split()) * unit / 2 ** 30
+        except (OSError, subprocess.SubprocessError, ValueError):  # not there, hung, no number (no card)
+            continue
+    return None
+
+
+def memory_plan(card_gib):
+    """(caps, usable): each training job's cap in GiB, MEMORY_MARGIN times its need, never above the card's usable
+    memory (its total less RESERVE_GIB), and that usable memory; ({}, None) where the card's memory is unknown (a dry
+    run): no caps."""
+    if card_gib is None:
+        return {}, None
+    usable = card_gib - RESERVE_GIB
+    return {n: min(MEMORY_MARGIN * NEED_GIB.get(n, ONE_MODEL_GIB), usable) for n in JOBS if n not in SMALL}, usable
+
+
+def may_start(name, alive, caps, usable):
+    """Whether training job `name` may start beside the training jobs `alive` (names): fewer than BIG_SLOTS of them,
+    and their caps and its own within the usable memory; a job alone always may (one capped at the whole usable
+    memory runs alone). No caps: the slots alone decide."""
+    return len(alive) < BIG_SLOTS and (not caps or not alive or sum(caps[n] for n in alive) + caps[name] <= usable)
+
+
+def slots(caps, usable):
+    """How many of the first training jobs (ab, cplm, vanilla, started at once) run side by side."""
+    alive = []
+    for name in ("ab", "cplm", "vanilla"):
+        if may_start(name, alive, caps, usable):
+            alive.append(name)
+    return len(alive)
+
+
+def memory_line(dry_run, card_gib, caps, usable):
+    """The report's line: the card, each training job's cap and how many run side by side."""
+    n = slots(caps, usable)
+    side = f"{n} training process{'es' if n > 1 else ''} side by side (at most {BIG_SLOTS})"
+    if not caps:
+        return ("memory: no caps (" + ("a dry run" if dry_run else "the card's total memory unknown: neither "
+                                       "nvidia-smi nor torch read it") + f"); {side}")
+    by_cap = {}
+    for name, cap in caps.items():
+        by_cap.setdefault(round(cap, 1), []).append(name)
+    too_big = [n for n in caps if MEMORY_MARGIN * NEED_GIB.get(n, ONE_MODEL_GIB) > usable]
+    return (f"memory: card {card_gib:.1f} GiB, {RESERVE_GIB} kept back; each training job's allocator capped at "
+            f"{MEMORY_MARGIN}x its need (from the peaks measured in records/gpu/README.md): "
+            + "; ".join(f"{', '.join(names)} {cap:.1f} GiB" for cap, names in sorted(by_cap.items())) + f"; {side}"
+            + (f"; more than the card holds, so capped at {usable:.1f} GiB and run alone: {', '.join(too_big)}"
+               if too_big else ""))
 
 
 def run_jobs(jobs, deadline, report, on_poll, on_exit):
@@ -570,8 +644,11 @@ def main(argv=None):
     ab_s = args.ab_s if args.ab_s is not None else budget(args, "ab_rounds")
     report(f"GPU check: deadline {args.deadline_s:.0f}s; the interleaved A/B's rounds {ab_s:.0f}s; {args.steps} timed "
            "steps a separate job" + (" (dry run on CPU)" if args.dry_run else "") + f"; work folder {work}")
+    card = None if args.dry_run else card_memory_gib()
+    caps, usable = memory_plan(card)
+    report(memory_line(args.dry_run, card, caps, usable))
     env = {"GPU_CHECK_TURN": os.path.join(work, "gpu_turn.lock"), "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1",
-           "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 3) // BIG_SLOTS))}
+           "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 3) // slots(caps, usable)))}
     if args.dry_run:
         env["OMP_NUM_THREADS"] = "1"  # several processes on a few cores: one thread each
     jobs, not_started = [], {}
@@ -584,8 +661,8 @@ def main(argv=None):
 
     def start(name, cmd, limit_s=None, turn_budget=None, warm_limit_s=None):
         job_env = dict(env)
-        if name not in SMALL:
-            job_env["GPU_CHECK_MEMORY_FRACTION"] = str(MEMORY_SHARE.get(name, 0.25))
+        if name in caps:
+            job_env["GPU_CHECK_MEMORY_GIB"] = f"{caps[name]:.2f}"
         job = Job(name, injected(args, name, cmd, work), work, job_env, limit_s, warm_limit_s)
         if turn_budget is not None:
             job.turn_budget = turn_budget
@@ -635,7 +712,7 @@ def main(argv=None):
     devices = [sys.executable, os.path.join(HERE, "device_checks.py")] + (["--dry_run"] if args.dry_run else [])
     ab_turn = ab_s + budget(args, "ab_profile") + (20 if args.dry_run else 60)
     # the plan, by value: (job, when it may start, the time it needs left, how to start it); each starts at most once,
-    # as soon as its condition holds, a training slot is free and the time it needs is left
+    # as soon as its condition holds, a training slot and its memory are free and the time it needs is left
     plan = [
         ("devices", lambda: True, 0, lambda: start("devices", devices, limit_s=budget(args, "devices"))),
         ("refcheck", lambda: True, 0, lambda: start("refcheck", refcheck,
@@ -664,8 +741,8 @@ def main(argv=None):
         for name, when, need_s, launch in plan:
             if started(name) or name in not_started or not when():
                 continue
-            busy = sum(1 for j in jobs + new if j.rc is None and j.name not in SMALL)
-            if name not in SMALL and busy >= BIG_SLOTS:
+            alive = [j.name for j in jobs + new if j.rc is None and j.name not in SMALL]
+            if name not in SMALL and not may_start(name, alive, caps, usable):
                 continue
             if need_s and left() < need_s:
                 not_started[name] = f"{left():.0f}s left, it needs {need_s}s"
@@ -695,7 +772,7 @@ def main(argv=None):
         run_jobs(jobs, deadline, report, on_poll, on_exit)
         for name, when, need_s, launch in plan:
             if not started(name) and name not in not_started and when():
-                not_started[name] = "no time or no free slot before the deadline"
+                not_started[name] = "no time, or no free slot or memory, before the deadline"
         write_summary(report, args, work, jobs, not_started)
     finally:  # whatever happened above: no child left running, the logs packed into $OUT, the work folder gone
         for j in jobs:

@@ -17,12 +17,15 @@ def take_turn():
 
 
 def limit_gpu_memory():
-    """$GPU_CHECK_MEMORY_FRACTION (first_call.py sets it where several jobs share the GPU): this process's share of
-    the GPU's memory. The caching allocator keeps what a process's peak reserved until it exits, so three jobs
-    that each reserved 45-55 GiB would not fit one card together; with a share, an allocator that reaches it frees
-    its cache and tries again. Called before the allocator starts, with the training script's setting."""
+    """Caps this process's caching allocator at $GPU_CHECK_MEMORY_GIB GiB (first_call.py sets it for each training
+    job from what the job needs, so that the jobs side by side fit the card; unset: no cap). The allocator keeps what
+    a process's peak reserved until it exits, so jobs that each reserved 45-55 GiB would not fit one card together;
+    capped, an allocator that reaches its cap frees its cache and tries again. The GiB become a fraction of this
+    card's total memory here, where the job runs (at most all of it). Called before the allocator starts, with the
+    training script's setting."""
     import torch
-    fraction = os.environ.get("GPU_CHECK_MEMORY_FRACTION")
-    if fraction and torch.cuda.is_available():
+    gib = os.environ.get("GPU_CHECK_MEMORY_GIB")
+    if gib and torch.cuda.is_available():
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as train_gpt_cplm.main
-        torch.cuda.set_per_process_memory_fraction(float(fraction))
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(gib) * 2 ** 30 / total))
