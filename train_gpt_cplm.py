@@ -43,7 +43,7 @@ from run_files import GPT2_VOCAB_SIZE, read_checkpoint  # noqa: F401  (for impor
 
 @dataclass
 class Hyperparameters:
-    preset: str = "auto"  # speedrun (8xH100) | cpu (2 cores, minutes) | auto: speedrun with CUDA, else cpu
+    preset: str = "auto"  # speedrun (8xH100) | gpu1 (one GPU) | cpu (2 cores) | auto: speedrun with CUDA, else cpu
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of train shards
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of val shards
@@ -109,6 +109,11 @@ class Hyperparameters:
 PRESETS = {
     # the 8xH100 speedrun: modded-nanogpt's 2025-01-26 record (1770 steps of 8 x 48Ki tokens); the defaults
     "speedrun": dict(),
+    # one GPU (tools/race.py): the record's architecture at 4 x 768 (its V/D), 500 steps of one 32Ki-token row,
+    # vanilla in ~20 s on an H100; FineWeb's first train shard (records/one_gpu_race says why this size)
+    "gpu1": dict(train_files="data/fineweb10B/fineweb_train_000001.bin", val_tokens=8 * 64 * 1024,
+                 batch_size=32 * 1024, seq_len=32 * 1024, val_seq_len=64 * 1024, num_layers=4, no_attention_layer=-1,
+                 num_iterations=500, val_loss_every=50, warmup_steps=3),
     # a 2-core CPU: a 4 x 128 model that trains in minutes on the Python standard library's source
     "cpu": dict(train_files="data/pystdlib/pystdlib_train_*.bin", val_files="data/pystdlib/pystdlib_val_*.bin",
                 val_tokens=16384, batch_size=2 * 1024, seq_len=1024, val_seq_len=4096, num_layers=4, model_dim=128,
