@@ -320,14 +320,14 @@ def heads_at_equal_schedules(out, n):
 
 def judged(out, n, target):
     """The judge (tools/compare.py) on the study's logs, the target being vanilla's group at N at its rule's scale;
-    strict: a group mixing code versions, data or a repeated seed is refused, not flagged. SystemExit (one line)
-    when the logs no longer give the fixed target (target.json edited, or a vanilla log replaced)."""
+    strict: a group mixing code versions, data or a repeated seed is refused, not flagged; runs from two machines
+    (the study's ran on two) are flagged. SystemExit (one line) when the logs no longer give the fixed target (target.json edited, or a vanilla log replaced)."""
     logs, skipped = compare.load([os.path.join(ROOT, out, "logs", "*.txt")])
     spec = f"vanilla num_iterations={n} lr_muon={race.CPU_LRS['lr_muon'] * float(SCALES['vanilla']):g}"
     step_file = os.path.join(ROOT, out, "step_time.txt")
     try:
         step_times = compare.read_step_times(step_file) if os.path.exists(step_file) else None
-        result = compare.judge(logs, target_from=spec, step_times=step_times, strict=True)
+        result = compare.judge(logs, target_from=spec, step_times=step_times, strict=True, strict_machines=False)
     except ValueError as e:
         raise SystemExit(f"speedrun.py: error: {e}") from None
     if abs(result["target"] - target["target"]) > 5e-6 or result["n_target"] != len(target["finals"]):
@@ -355,19 +355,23 @@ def readme_row(judgement, n):
         if s is None:
             cells.append("not run")
             continue
-        c = s["crossing"]
-        cross = (f"crossing {c['steps']:.0f} ± {c['sd']:.0f} steps: {s['time_ratio_crossing']:.2f}x"
-                 if c["steps"] is not None and c.get("sd") is not None and s.get("time_ratio_crossing") else
-                 "crossing: -")
+        c, ci = s["crossing"], s["crossing"].get("interval") or {}
+        t_ci = s.get("time_ratio_crossing_interval") or [None, None]
+        bound = "<= " if ci.get("lo_bound") else ""  # the lower end is the shortest schedule run: a bound
+        span = lambda lo, hi, spec: (f" [{bound}{lo:{spec}}, " + (f"{hi:{spec}}" if hi is not None else "open") + "]"
+                                     if lo is not None else "")  # noqa: E731
+        cross = (f"crossing {c['steps']:.0f}{span(ci.get('lo'), ci.get('hi'), '.0f')} steps: "
+                 f"{s['time_ratio_crossing']:.2f}x{span(t_ci[0], t_ci[1], '.2f')}"
+                 if c["steps"] is not None and s.get("time_ratio_crossing") else "crossing: -")
         if s["rule_steps"] is None:
             cells.append(f"rule: not met up to the longest schedule run; {cross}")
             continue
         g = groups[(s["name"], s["rule_steps"])]
         d = g["decision"]
-        lo, hi = s["time_ratio_bracket"] or (None, None)
+        r_ci = s.get("time_ratio_rule_interval") or [None, None]
         cells.append(f"rule: {s['rule_steps']} steps ({s['longest_failing']} fails; {g['mean']:.3f} ± {g['sd']:.3f}, "
                      f"Welch p = {_p(d['p'])}, one-sample {_p(d['one_sample'] and d['one_sample']['p'])}): "
-                     f"**{s['time_ratio_rule']:.2f}x**" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else "")
+                     f"**{s['time_ratio_rule']:.2f}x**" + (f" [{r_ci[0]:.2f}, {r_ci[1]:.2f}]" if r_ci[0] else "")
                      + f"; {cross}")
     return " | ".join(cells)
 
@@ -391,7 +395,7 @@ def report(args, n):
         result["judge"] = judgement
         lines += [f"Target fixed {target['fixed_at']} (`target.json`, equal to the logs' mean). The judge's output "
                   "(`python tools/compare.py` on the logs, the target from vanilla's group at N, "
-                  "`--step_times step_time.txt --strict`):", "", "```", compare.format_report(judgement), "```", ""]
+                  "`--step_times step_time.txt`):", "", "```", compare.format_report(judgement), "```", ""]
         lines += [f"- skipped (not a log yet): {x}" for x in skipped]
         lines += ["README's row (vanilla | pointer sentinel | CPLM):", "", "| " + readme_row(judgement, n) + " |", ""]
         for mode in ("cplm", "sentinel"):

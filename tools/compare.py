@@ -7,11 +7,14 @@
         --step_times records/cpu_speedrun/step_time.txt                 # README's CPU speedrun row
 
 What it does, in one definition for every table in the repo:
-- **Groups.** A run's mode (vanilla, CPLM, sentinel, stop-grad CPLM) and its schedule length (`num_iterations`)
-  make its group; seeds and data orders (`seed`, `data_seed`) are pooled, as are the knobs that only name or
+- **Groups.** A run's mode (vanilla, CPLM, sentinel, stop-grad CPLM or sentinel) and its schedule length
+  (`num_iterations`) make its group; seeds and data orders (`seed`, `data_seed`) are pooled, as are the knobs that only name or
   place a run (`run_id`, `log_dir`, checkpoints, logging intervals). A *series* is one mode's groups at every
   schedule length, all other settings equal. A killed run (no final line), a log cut mid-line, a copy of
   another log and a log whose final line disagrees with its last validation are listed and not counted.
+  **Upstream's logs** (modded-nanogpt's records: the code, a ruler, step lines, no settings and no final line)
+  are read as they are: mode "upstream", grouped by their code's sha256 and their length, complete when their
+  last validation is at their last step, each log a run of its own (they name no seed).
 - **The target.** `--target X`: a fixed convention (the speedrun's 3.28); a group passes when its mean final
   val loss is below X by a one-sided one-sample t-test, p < 0.01 (the speedrun's record rule).
   `--target_from GROUP`: the mean final val loss of that group's runs, an estimate, so its uncertainty counts:
@@ -19,20 +22,25 @@ What it does, in one definition for every table in the repo:
   paired by seed where the seeds match, are printed beside it.
 - **Steps to target**, two readings. *The rule's*: the shortest schedule whose group passes (the longest
   failing one below it in brackets). *The crossing*: where the mean final loss, as a function of schedule
-  length over the schedules run, meets the target, linearly interpolated between the two schedules around it
-  (± sd over seeds: each seed's crossing on the same two schedules). A series with one schedule only gets the
+  length over the schedules run, meets the target, linearly interpolated between the two schedules around it,
+  with a 95% interval (every group's mean drawn from its t distribution, the target's group's included). A series with one schedule only gets the
   *curve crossing* instead: the first step at which its mean validation curve meets the target (interpolated
   between validations); it reads the schedule before its cooldown has ended, so it flatters short runs less
   than a longer schedule would, and says so.
 - **Time to target** = steps x step time. The step time comes from `--step_times FILE` (one process timing
   the modes alternated: experiments/cp_cost.py step_time's JSON line) or, without it, from the logs' own
   clocks (the median over a group's runs of train time / steps: noisy on a shared machine). The ratio is to
-  the reference: the target's group (its own schedule), or, with a fixed target, vanilla's time to it.
+  the reference: the target's group (its own schedule), or, with a fixed target, vanilla's (or upstream's)
+  time to it. A step-time file with each ratio's 95% interval (tools/run_race.py's) carries it into the times.
+- **Clocks**, as upstream compares records: each group's mean train time at its last validation, and its
+  difference to a baseline group (`--baseline`, else the target's group, else the other of two) with Welch's
+  95% interval.
 - **Provenance.** Runs compared must share a validation set (the logs' `data:` sha256 and the validation
   settings): otherwise the judge refuses. A group mixing code versions (`git:`), training data or a repeated
-  seed is flagged (`--strict`: refused).
+  seed is flagged (`--strict`: refused). A group's mean that lies below the target but fails the test is "not
+  significant at n = k", not "not reached".
 
-Standard library only; matplotlib for --plot.
+Needs scipy (the t-tests, as upstream's record READMEs compute them); matplotlib for --plot.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ import re
 import signal
 import sys
 
+from scipy import stats  # the tests upstream's record READMEs compute
+
 DEFAULT_TARGET = 3.28
 P_PASS = 0.01  # the speedrun's record rule
 # knobs that pick a seed or data order (pooled) and knobs that only name, place, checkpoint or log a run (ignored)
@@ -56,10 +66,11 @@ ALWAYS_IGNORED = ("run_id", "log_dir", "resume", "overwrite", "checkpoint_every"
                   "keep_checkpoints", "train_loss_every", "val_loss_every", "dist_timeout_s")
 # settings that define the validation loss itself: runs that differ in them are not comparable
 VALIDATION_KEYS = ("val_tokens", "val_seq_len", "vocab_size", "bos_id")
-MODE_NAMES = ("vanilla", "CPLM", "sentinel", "stop-grad CPLM")
+MODE_NAMES = ("upstream", "vanilla", "CPLM", "sentinel", "stop-grad CPLM", "stop-grad sentinel")
 MODE_KEYS = ("cplm", "copy_gate", "cp_stop_grad")
+MACHINES_FLAG = "runs from different machines"
 
-_FLOAT = r"[-+]?(?:nan|inf|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+_FLOAT = r"[-+]?(?:nan|inf|(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)"  # one way to read digits: no backtracking
 RE_HPARAMS = re.compile(r"^hyperparameters: (\{.*\})$")
 RE_RUN_ID = re.compile(r"^run_id: (\S+)\s*$")
 RE_VAL = re.compile(
@@ -70,11 +81,17 @@ RE_TRAIN = re.compile(  # train_loss is optional: a step without --train_loss_ev
 )
 RE_STEP_KV = re.compile(r"^step:(\d+)/(\d+) ((?:[A-Za-z_]\w*:\S+)(?: [A-Za-z_]\w*:\S+)*)\s*$")
 RE_STOPPED = re.compile(r"^stopped:(.*)$")
+# why a run that diverged stopped: a non-finite loss, or non-finite weights found when a checkpoint was due
+RE_DIVERGED = re.compile(r"^(?:\w+: )?(?:(?:val|train)_loss is (?:nan|inf|-inf)|step \d+: the weights are not finite)")
 RE_RESUMED_AT = re.compile(r"^(?:continuing|resumed from .*) at step (\d+), train_time")
 RE_PEAK_MEM = re.compile(r"^peak memory allocated: (\d+) MiB(?: reserved: (\d+) MiB)?")
 RE_FINAL = re.compile(r"^final (?:val_loss:(" + _FLOAT + r") )?train_time:(\d+)ms steps:(\d+)\s*$", re.IGNORECASE)
 RE_GIT = re.compile(r"^git: (\S+)")
 RE_DATA = re.compile(r"^data: (.+) sha256 ([0-9a-f]{64})\s*$")
+# the machine a run ran on: ours (`python X torch Y on PLATFORM`, `gpu: NAME cuda Z`), upstream's (`Running PyTorch Y`
+# and nvidia-smi's table, whose GPU name is read from it)
+RE_PLATFORM = re.compile(r"^python \S+ torch (\S+) on (\S+)\s*$|^Running PyTorch (\S+)")
+RE_GPU = re.compile(r"^gpu: (.+?) cuda |\|\s+\d+\s+(NVIDIA [^|]*?)\s{2,}")
 
 
 class LogError(ValueError):
@@ -133,10 +150,20 @@ def parse_log(path):
     run_id = None
     by_step = {"val": {}, "train": {}, "diags": {}}
     stopped, peak, reserved, finished, final, git, data = None, None, None, False, None, None, {}
+    schedules = []  # num_iterations of each section: a resume that changed it made a schedule no group has
+    machine = {}  # torch, platform, gpu: where it ran
+    for line in lines[separator + 1:separator + 400]:  # the header: versions and hardware come first
+        m = RE_PLATFORM.match(line)
+        if m and "torch" not in machine:
+            machine.update(torch=m.group(1) or m.group(3), **({"platform": m.group(2)} if m.group(2) else {}))
+        m = RE_GPU.search(line)
+        if m and "gpu" not in machine:
+            machine["gpu"] = (m.group(1) or m.group(2)).strip()
     for line in lines[separator + 1:]:
         obj = _hparams_of(line)
         if obj is not None:
             hparams, stopped, finished, final = obj, None, False, None
+            schedules.append(obj.get("num_iterations"))
             continue
         if line.startswith("final val_loss:"):  # the last line of a run that ended normally
             m = RE_FINAL.match(line)
@@ -187,8 +214,8 @@ def parse_log(path):
         m = RE_STOPPED.match(line)
         if m:
             stopped = m.group(1).strip() or "stopped"
-            # a run that diverged ended on its own (a non-finite loss): it counts, with that loss
-            finished = finished or bool(re.match(r"(val|train)_loss is (nan|inf|-inf)", stopped))
+            # a run that diverged ended on its own (a non-finite loss or weights): it counts, as diverged
+            finished = finished or bool(RE_DIVERGED.match(stopped))
             continue
         m = RE_PEAK_MEM.match(line)
         if m:
@@ -198,8 +225,17 @@ def parse_log(path):
 
     if not val:
         raise LogError(f"{path}: no val_loss lines")
+    upstream = hparams is None
+    if upstream:  # modded-nanogpt's own log: its code (above the first ruler) and its length are its settings;
+        # it ends with no final line, so it is complete when its last validation is at its last step
+        code = "\n".join(lines[:max(separator, 0)])
+        hparams = {"code_sha256": hashlib.sha256(code.encode()).hexdigest()[:16], "num_iterations": val[-1]["total"]}
+        finished = finished or (stopped is None and val[-1]["step"] == val[-1]["total"])
     problem = None
-    if finished and not text.endswith("\n"):
+    if len(set(schedules)) > 1:
+        problem = (f"its schedule changed on a resume ({' -> '.join(map(str, dict.fromkeys(schedules)))} steps): "
+                   "neither length's schedule was trained")
+    elif finished and not text.endswith("\n"):
         finished, problem = False, "cut mid-line: the file does not end with a whole line"
     elif finished and final is not None and not (final[1] == val[-1]["step"] and (
             final[0] is None or (final[0] == round(val[-1]["loss"], 4) if math.isfinite(final[0])
@@ -212,6 +248,7 @@ def parse_log(path):
     fingerprint = hashlib.sha256(json.dumps([hparams, val, train], sort_keys=True, default=str).encode()).hexdigest()
     return dict(path=str(path), run_id=str(run_id), hyperparameters=hparams or {},
                 val=val, train=train, diagnostics=diags, stopped=stopped, finished=finished, problem=problem,
+                upstream=upstream, machine=machine,
                 peak_mem_mib=peak, reserved_mem_mib=reserved, fingerprint=fingerprint, git=git, data=data)
 
 
@@ -233,97 +270,48 @@ def mean_std(xs):
     return m, math.sqrt(var)
 
 
-def _betacf(a, b, x, max_iter=500, eps=1e-15):
-    """Continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny = 1e-300
-    c = 1.0
-    d = 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, max_iter + 1):
-        m2 = 2 * m
-        # even step
-        num = m * (b - m) * x / ((a + m2 - 1.0) * (a + m2))
-        d = 1.0 + num * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + num / c
-        c = c if abs(c) > tiny else tiny
-        h *= d * c
-        # odd step
-        num = -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1.0))
-        d = 1.0 + num * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + num / c
-        c = c if abs(c) > tiny else tiny
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < eps:
-            break
-    return h
-
-
-def betainc(a, b, x):
-    """Regularized incomplete beta function I_x(a, b) for a, b > 0, 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                 + a * math.log(x) + b * math.log1p(-x))
-    front = math.exp(log_front)
-    # The continued fraction converges fast for x < (a+1)/(a+b+2); otherwise
-    # use the symmetry I_x(a,b) = 1 - I_{1-x}(b,a).
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
 def students_t_sf(t, df):
-    """P(T > t) for Student's t with ``df`` degrees of freedom (df > 0; inf -> normal)."""
+    """P(T > t) for Student's t with ``df`` degrees of freedom (df > 0; inf -> normal); nan for a nan t."""
     if math.isnan(t) or not df > 0:
         return float("nan")
-    if math.isinf(t):
-        return 0.0 if t > 0 else 1.0
-    if math.isinf(df):
-        return 0.5 * math.erfc(t / math.sqrt(2.0))
-    # P(|T| > |t|) = I_{df/(df+t^2)}(df/2, 1/2)
-    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
-    return tail if t >= 0 else 1.0 - tail
-
-
-def students_t_cdf(t, df):
-    """P(T <= t) for Student's t."""
-    return 1.0 - students_t_sf(t, df)
+    return float(stats.t.sf(t, df)) if math.isfinite(df) else float(stats.norm.sf(t))
 
 
 def one_sided_ttest_below(xs, target):
-    """One-sample t-test of H1: mean(xs) < target.  Returns dict(t, df, p) or
-    None when n < 2."""
+    """One-sample t-test of H1: mean(xs) < target (scipy's ttest_1samp, alternative="less").  Returns dict(t,
+    df, p), t > 0 when the mean is below; None when n < 2; p None when the runs have no spread."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
-    n = len(xs)
-    if n < 2:
+    if len(xs) < 2:
         return None
-    m, s = mean_std(xs)
-    if s == 0.0:  # no spread: the test is undefined (identical runs are no evidence of anything)
-        return dict(t=None, df=n - 1, p=None)
-    t = (target - m) / (s / math.sqrt(n))
-    return dict(t=t, df=n - 1, p=students_t_sf(t, n - 1))
+    if mean_std(xs)[1] == 0.0:  # no spread: the test is undefined (identical runs are no evidence of anything)
+        return dict(t=None, df=len(xs) - 1, p=None)
+    r = stats.ttest_1samp(xs, target, alternative="less")
+    return dict(t=-float(r.statistic), df=len(xs) - 1, p=float(r.pvalue))
 
 
 def welch_ttest_below(xs, ys):
     """Welch's two-sample t-test of H1: mean(xs) < mean(ys), for a target that is itself an estimate (ys: the
-    runs that define it). Returns dict(t, df, p) (Welch-Satterthwaite df), or None when either has n < 2."""
+    runs that define it): scipy's ttest_ind(equal_var=False, alternative="less"). Returns dict(t, df, p)
+    (Welch-Satterthwaite df), or None when either has n < 2."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     ys = [y for y in ys if y is not None and math.isfinite(y)]
     if len(xs) < 2 or len(ys) < 2:
         return None
-    (mx, sx), (my, sy) = mean_std(xs), mean_std(ys)
-    vx, vy = sx * sx / len(xs), sy * sy / len(ys)
-    if vx + vy == 0.0:
+    (_, sx), (_, sy) = mean_std(xs), mean_std(ys)
+    if sx == 0.0 and sy == 0.0:
         return dict(t=None, df=None, p=None)
+    r = stats.ttest_ind(xs, ys, equal_var=False, alternative="less")
+    vx, vy = sx * sx / len(xs), sy * sy / len(ys)
     df = (vx + vy) ** 2 / (vx * vx / (len(xs) - 1) + vy * vy / (len(ys) - 1))
-    t = (my - mx) / math.sqrt(vx + vy)
-    return dict(t=t, df=df, p=students_t_sf(t, df))
+    return dict(t=-float(r.statistic), df=df, p=float(r.pvalue))
+
+
+def mean_difference_interval(xs, ys, level=0.95):
+    """mean(xs) - mean(ys) and its Welch interval (scipy), or None when either has n < 2 or neither varies."""
+    if len(xs) < 2 or len(ys) < 2 or (mean_std(xs)[1] == 0.0 and mean_std(ys)[1] == 0.0):
+        return None
+    ci = stats.ttest_ind(xs, ys, equal_var=False).confidence_interval(level)
+    return dict(diff=mean_std(xs)[0] - mean_std(ys)[0], lo=float(ci.low), hi=float(ci.high), level=level)
 
 
 def paired_ttest_below(pairs):
@@ -338,12 +326,13 @@ def paired_ttest_below(pairs):
 # ---------------------------------------------------------------------------
 
 def mode_of(hp):
-    """The run's mode by README's names."""
+    """The run's mode by README's names; "upstream": a modded-nanogpt log (no settings line)."""
+    if "code_sha256" in hp and "cplm" not in hp:
+        return "upstream"
     if not hp.get("cplm"):
         return "vanilla"
-    if hp.get("copy_gate") == "sentinel":
-        return "sentinel"
-    return "stop-grad CPLM" if hp.get("cp_stop_grad") else "CPLM"
+    name = "sentinel" if hp.get("copy_gate") == "sentinel" else "CPLM"
+    return f"stop-grad {name}" if hp.get("cp_stop_grad") else name
 
 
 def target_crossing(val, target):
@@ -436,11 +425,17 @@ def label_series(groups):
         configs = [series[k]["series"] for k in keys]
         differing = [k for k in dict.fromkeys(k for c in configs for k in c)
                      if k not in MODE_KEYS and len({_key([k in c, c.get(k)]) for c in configs}) > 1]
-        for i, (key, c) in enumerate(zip(keys, configs)):
-            tag = " ".join(f"{k}={_fmt_value(c.get(k))}" for k in differing)
+        tags = {key: " ".join(f"code {c[k][:8]}" if k == "code_sha256" and k in c else f"{k}={_fmt_value(c.get(k))}"
+                              for k in differing) for key, c in zip(keys, configs)}
+        digits = 4  # a long tag's short name is a hash of the settings that tell the series apart (not the order of
+        # the files); lengthened until no two series of the mode share one
+        while len({hashlib.sha256(t.encode()).hexdigest()[:digits] for t in tags.values()}) < len(tags) and digits < 64:
+            digits += 2
+        for key, tag in tags.items():
             if len(tag) > 24:
-                legend[f"{mode} ({chr(97 + i)})"] = tag
-                tag = f"({chr(97 + i)})"
+                short = f"({hashlib.sha256(tag.encode()).hexdigest()[:digits]})"
+                legend[f"{mode} {short}"] = tag
+                tag = short
             names[key] = f"{mode} {tag}".strip()
     for g in groups:
         g["series_label"] = names[_key(g["series"])]
@@ -448,11 +443,12 @@ def label_series(groups):
     return legend
 
 
-def find_group(groups, spec):
+def find_group(groups, spec, flag="--target_from"):
     """The one group that ``spec`` names: words that are a mode ("vanilla"), a label or a part of one, and
     key=value settings; a schedule length may be omitted when the series has one. ValueError otherwise."""
     words = [w for w in re.split(r"[\s,]+", spec.strip()) if w]
-    settings = [w.split("=", 1) for w in words if "=" in w]
+    settings = [["num_iterations" if w.startswith("n=") else w.split("=", 1)[0], w.split("=", 1)[1]]
+                for w in words if "=" in w]  # a label's own n=STEPS is the schedule length
     text = " ".join(w for w in words if "=" not in w)
 
     def ok(g):
@@ -464,9 +460,9 @@ def find_group(groups, spec):
         shown = ", ".join(repr(g["label"]) for g in (matches or groups)[:4])
         more = f" and {len(matches or groups) - 4} more" if len(matches or groups) > 4 else ""
         if matches:
-            raise ValueError(f"--target_from {spec!r} matches {len(matches)} groups ({shown}{more}): name one "
+            raise ValueError(f"{flag} {spec!r} matches {len(matches)} groups ({shown}{more}): name one "
                              "more setting, e.g. num_iterations=N")
-        raise ValueError(f"--target_from {spec!r} matches no group (groups: {shown}{more})")
+        raise ValueError(f"{flag} {spec!r} matches no group (groups: {shown}{more})")
     return matches[0]
 
 
@@ -497,6 +493,17 @@ def provenance(groups, counted_only=True):
         parts = [f"{os.path.basename(paths[0])} ({json.loads(k)})" for k, paths in idents.items()]
         errors.append("the runs were validated on different data or settings, not comparable: "
                       + "; ".join(parts[:3]))
+    machines = {}  # where the counted runs ran: groups timed or trained on other machines do not compare exactly
+    for g in groups:
+        for log in g["logs"]:
+            if log["excluded"] is None and log.get("machine"):
+                machines.setdefault(" ".join(f"{k} {v}" for k, v in sorted(log["machine"].items())), {}).setdefault(
+                    g["label"], 0)
+                machines[" ".join(f"{k} {v}" for k, v in sorted(log["machine"].items()))][g["label"]] += 1
+    if len(machines) > 1:
+        warnings.append(MACHINES_FLAG + " (their floats and clocks differ): " + "; ".join(
+            f"{name}: " + ", ".join(f"{label} x{n}" for label, n in groups_there.items())
+            for name, groups_there in machines.items()))
     for g in groups:
         counted = [log for log in g["logs"] if log["excluded"] is None]
         gits = sorted({log.get("git") or "?" for log in counted})
@@ -509,8 +516,7 @@ def provenance(groups, counted_only=True):
             warnings.append(f"{g['label']}: runs on different training shards (their sha256)")
         seen = {}
         for log in counted:
-            hp = log["hyperparameters"]
-            seed = (hp.get("seed"), hp.get("data_seed"))
+            seed = run_key(log)
             if seed in seen:
                 warnings.append(f"{g['label']}: seed {seed[0]} (data_seed {seed[1]}) twice: "
                                 f"{os.path.basename(seen[seed])} and {os.path.basename(log['path'])}")
@@ -522,16 +528,27 @@ def provenance(groups, counted_only=True):
 # The judgement
 # ---------------------------------------------------------------------------
 
+def run_key(log):
+    """A run's place in its group: its (seed, data_seed), or, for a log that names no seed (upstream's), its file."""
+    hp = log["hyperparameters"]
+    return (hp.get("seed"), hp.get("data_seed")) if hp.get("seed") is not None else ("file", log["path"])
+
+
 def finals_of(group):
-    """{(seed, data_seed): final val loss} of the group's counted runs (a repeated seed keeps the first)."""
+    """{run_key: final val loss} of the group's counted runs (a repeated seed keeps the first)."""
     out = {}
     for log in group["logs"]:
         if log["excluded"] is None:
-            hp = log["hyperparameters"]
-            # a run stopped by a non-finite train loss diverged: its last validation is not its final
-            diverged = bool(re.match(r"train_loss is (nan|inf|-inf)", log.get("stopped") or ""))
-            out.setdefault((hp.get("seed"), hp.get("data_seed")), math.nan if diverged else log["val"][-1]["loss"])
+            # a run stopped by a non-finite train loss or weights diverged: its last validation is not its final
+            diverged = bool(RE_DIVERGED.match(log.get("stopped") or ""))
+            out.setdefault(run_key(log), math.nan if diverged else log["val"][-1]["loss"])
     return out
+
+
+def times_of(group):
+    """The counted runs' clocks at their last validation, in seconds (the speedrun's time of a record's run)."""
+    return [log["val"][-1]["time_ms"] / 1000 for log in group["logs"] if log["excluded"] is None
+            and not RE_DIVERGED.match(log.get("stopped") or "")]  # a diverged run: no time to target
 
 
 def decide(finals, target, reference=None):
@@ -563,8 +580,8 @@ def interpolate_crossing(points, target):
     if points and points[0][1] <= target:
         return points[0][0], None
     for (m0, l0), (m1, l1) in zip(points, points[1:]):
-        if l0 > target >= l1:
-            return m0 + (l0 - target) / (l0 - l1) * (m1 - m0), (m0, m1)
+        if l0 > target >= l1:  # after a diverged schedule (inf) no interpolation: the next passing one
+            return (m0 + (l0 - target) / (l0 - l1) * (m1 - m0) if math.isfinite(l0) else m1), (m0, m1)
     return None, None
 
 
@@ -572,8 +589,9 @@ def schedule_crossing(groups, target):
     """The crossing of a series run at several schedule lengths: the mean final loss against schedule length,
     interpolated; the spread over the seeds that ran both bracketing schedules (each seed's own crossing on them)."""
     finals = {g["steps"]: finals_of(g) for g in groups}
-    points = [(m, mean_std(list(f.values()))[0]) for m, f in sorted(finals.items()) if f]
-    points = [(m, x) for m, x in points if x is not None and math.isfinite(x)]
+    # a schedule with a diverged run counts as never reaching the target (inf), not as missing
+    points = [(m, mean_std(list(f.values()))[0] if all(math.isfinite(x) for x in f.values()) else math.inf)
+              for m, f in sorted(finals.items()) if f]
     at, bracket = interpolate_crossing(points, target)
     if bracket is None:
         return dict(steps=at, sd=None, n_seeds=0, bracket=None, below_shortest=at is not None)
@@ -601,6 +619,70 @@ def curve_crossing(group, target):
     return dict(steps=at, sd=mean_std(own)[1], n_seeds=len(own))
 
 
+BOOTSTRAP_DRAWS = 2000
+
+
+def bootstrap_crossing(members, reference, fixed_target, draws=BOOTSTRAP_DRAWS, seed=0):
+    """The 95% interval of a series' crossing, by simulation: each draw takes every group's mean final loss (and
+    the target's group's: the target's own error counts) from its t distribution, mean + sd / sqrt(n) x T(n - 1),
+    the groups independently, and finds the crossing again (between schedules; for one schedule on the mean
+    validation curve, every step moved by the same draw). A t draw, not a resample of the runs: at n = 3 a
+    resample covers about 75%, this 95%. Draws that never cross: the upper end is None (open); draws already
+    below the shortest schedule: the lower end is that schedule and a bound (lo_bound). None when a group has
+    fewer than 2 runs (no spread to draw from)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+
+    def sampler(values):  # (mean, standard error, degrees of freedom) of a group's finite finals
+        values = [x for x in values if math.isfinite(x)]
+        return (np.mean(values), np.std(values, ddof=1) / math.sqrt(len(values)), len(values) - 1) \
+            if len(values) >= 2 else None
+
+    ref = sampler((reference or {}).values()) if reference else None
+    if reference and ref is None:
+        return None
+    if len(members) > 1:  # a group with a diverged run never reaches the target, as in the crossing itself
+        groups = [(g["steps"], list(finals_of(g).values())) for g in sorted(members, key=lambda g: g["steps"])]
+        groups = [(m, sampler(f) if all(math.isfinite(x) for x in f) else (math.inf, 0.0, 1)) for m, f in groups if f]
+        if not groups or any(x is None for _, x in groups):
+            return None
+        steps = [m for m, _ in groups]
+        mean, se, df = (np.array([x[i] for _, x in groups]) for i in range(3))
+    else:
+        curves = [{v["step"]: v["loss"] for v in log["val"]} for log in members[0]["logs"] if log["excluded"] is None]
+        if len(curves) < 2:
+            return None
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        table = np.array([[c[step] for step in steps] for c in curves])
+        mean, se, df = table.mean(axis=0), table.std(axis=0, ddof=1) / math.sqrt(len(curves)), len(curves) - 1
+    out, below = [], 0
+    for _ in range(draws):
+        target = ref[0] + ref[1] * rng.standard_t(ref[2]) if ref else fixed_target
+        drawn = mean + se * (rng.standard_t(df) if np.ndim(df) == 0 else np.array([rng.standard_t(d) for d in df]))
+        points = [(m, x) for m, x in zip(steps, drawn) if not math.isnan(x)]
+        at, _ = interpolate_crossing(points, target)
+        below += bool(points and points[0][1] <= target)
+        out.append(math.inf if at is None else at)
+    lo, hi = np.percentile(out, [2.5, 97.5], method="inverted_cdf")  # drawn values only: never inf - inf
+    return dict(lo=float(lo), hi=float(hi) if math.isfinite(hi) else None, lo_bound=below / draws > 0.025,
+                draws=draws, never=sum(not math.isfinite(x) for x in out) / draws)
+
+
+def median_ratio_interval(mode_ms, vanilla_ms, draws=BOOTSTRAP_DRAWS, seed=0):
+    """The 95% interval of median(mode) / median(vanilla) over steps timed in alternation (experiments/cp_cost.py
+    step_time), from a moving-block bootstrap over rounds (a round's two steps drawn together, and runs of
+    neighbouring rounds, as gpu_check/interleaved.py does); None without such lists."""
+    import numpy as np
+    if not (isinstance(mode_ms, list) and isinstance(vanilla_ms, list) and len(mode_ms) == len(vanilla_ms) >= 5):
+        return None
+    a, b = np.asarray(mode_ms, dtype=float), np.asarray(vanilla_ms, dtype=float)
+    n, block = len(a), max(1, math.ceil(math.sqrt(len(a))))  # moving blocks of sqrt(n) rounds: the drift is kept
+    starts = np.random.default_rng(seed).integers(0, n - block + 1, (draws, math.ceil(n / block)))
+    idx = (starts[:, :, None] + np.arange(block)).reshape(draws, -1)[:, :n]
+    ratios = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    return [float(x) for x in np.percentile(ratios, [2.5, 97.5])]
+
+
 def read_step_times(path):
     """{mode name: (step time over vanilla's, per-round ratio quartiles or None)} from a step-time file: the JSON
     line of experiments/cp_cost.py step_time (ratio_<mode>, pair_ratio_quartiles_<mode>). ValueError if none."""
@@ -620,24 +702,51 @@ def read_step_times(path):
                 r = measured.get(f"ratio_{key}")
                 if isinstance(r, (int, float)) and math.isfinite(r) and r > 0:
                     q = measured.get(f"pair_ratio_quartiles_{key}")
-                    out[mode] = (float(r), tuple(q) if isinstance(q, list) and len(q) == 2 else None)
+                    ok = isinstance(q, list) and len(q) == 2 and all(isinstance(x, (int, float)) and math.isfinite(x)
+                                                                     for x in q)
+                    out[mode] = (float(r), tuple(q) if ok else None)
+                    ci = measured.get(f"ratio_interval_95_{key}")  # tools/run_race.py: the ratio's own 95% interval
+                    if not (isinstance(ci, list) and len(ci) == 2):  # cp_cost.py: from its alternated steps
+                        ci = median_ratio_interval(measured.get(f"{key}_ms"), measured.get("vanilla_ms"))
+                    if ci and all(isinstance(x, (int, float)) and x > 0 for x in ci):
+                        out[mode + " interval"] = tuple(ci)
             if len(out) > 1:
+                if isinstance(measured.get("settings"), dict):  # the model the ratios were measured on
+                    out["settings"] = measured["settings"]
                 return out
     raise ValueError(f"--step_times {path}: no JSON line with ratio_cplm or ratio_sentinel (the output of "
                      "experiments/cp_cost.py step_time)")
 
 
-def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore=(), strict=False):
+def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore=(), strict=False, baseline=None,
+          strict_machines=None):
     """The whole judgement of parsed logs; a JSON-serialisable dict. ValueError: not comparable, or (strict)
     flagged, or no group named by target_from."""
+    merged = [k for k in ignore or () if k in MODE_KEYS + ("num_iterations", "code_sha256")]
+    if merged:  # pooled, they would merge modes or schedule lengths into one group
+        raise ValueError(f"--ignore {merged[0]}: it tells modes or schedules apart; it cannot be pooled like a seed")
     mark_excluded(logs)
     groups = group_runs(logs, ignore)
     legend = label_series(groups)
     order = {m: i for i, m in enumerate(MODE_NAMES)}
     groups.sort(key=lambda g: (order.get(g["mode"], len(order)), g["series_label"], g["steps"]))
+    for g in groups:  # an upstream group is named by its code's hash: say where its logs are
+        if g["mode"] == "upstream":
+            folders = sorted({os.path.dirname(log["path"]) or "." for log in g["logs"]})
+            legend[g["series_label"]] = f"the code of {len(g['logs'])} log(s) in " + ", ".join(folders[:3]) + (
+                f" and {len(folders) - 3} more folders" if len(folders) > 3 else "")
     errors, warnings = provenance(groups)
-    if errors or (strict and warnings):
-        raise ValueError((errors or warnings)[0] + ("" if errors else " (--strict)"))
+    measured_on = (step_times or {}).get("settings") or {}
+    for g in groups:  # ratios measured on another model do not time these runs
+        other = {k: (v, g["config"][k]) for k, v in measured_on.items() if k in g["config"] and g["config"][k] != v}
+        if other:
+            warnings.append(f"{g['label']}: the step times were measured on another model ("
+                            + ", ".join(f"{k} {a} against {b}" for k, (a, b) in other.items()) + ")")
+    # --strict refuses every flag; a caller that has said its runs span machines (strict_machines=False) keeps
+    # refusing the others
+    refused = [w for w in warnings if strict_machines is not False or not w.startswith(MACHINES_FLAG)]
+    if errors or (strict and refused):
+        raise ValueError((errors or refused)[0] + ("" if errors else " (--strict)"))
     ref = find_group(groups, target_from) if target_from else None
     reference = finals_of(ref) if ref else None
     if ref is not None:
@@ -651,7 +760,8 @@ def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore
         runs = [summarize_run(log) for log in g["logs"]]
         counted = [r["step_ms"] for r in runs if r["excluded"] is None and r["step_ms"]]
         rows.append(dict(label=g["label"], series=g["series_label"], mode=g["mode"], steps=g["steps"], finals=[
-                             {"seed": k[0], "data_seed": k[1], "loss": x} for k, x in finals_of(g).items()],
+                             {"seed": k[0], "data_seed": k[1], "loss": x} if k[0] != "file" else {"file": k[1], "loss": x}
+                             for k, x in finals_of(g).items()],
                          is_target=g is ref, decision=None if g is ref else d, n=d["n"], mean=d["mean"], sd=d["sd"],
                          step_ms=_median(counted), runs=runs, n_excluded=sum(r["excluded"] is not None for r in runs),
                          crossing=curve_crossing(g, target)))
@@ -669,13 +779,24 @@ def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore
             crossing = {**schedule_crossing(members, target), "kind": "schedules"}
         else:
             crossing = {**mrows[0]["crossing"], "kind": "curve"}
+        is_ref = ref is not None and name == ref["series_label"]
+        crossing["interval"] = None if is_ref else bootstrap_crossing(members, reference, target)
         series.append(dict(name=name, mode=members[0]["mode"], settings=members[0]["series"],
                            schedules=[g["steps"] for g in members],
                            rule_steps=rule, longest_failing=max(failing) if failing else None, crossing=crossing,
                            step_ms=_median([r["step_ms"] for r in mrows if r["step_ms"]])))
     result = dict(target=target, target_from=ref["label"] if ref else None, n_target=len(reference or {}),
                   test="Welch" if ref else "one-sample", p_pass=P_PASS, groups=rows, series=series, legend=legend,
-                  warnings=warnings, step_times=None, reference=None)
+                  warnings=warnings, step_times=None, reference=None, ignore=list(ignore or ()))
+    # the clocks, as upstream compares records: each group's mean time, its difference to a baseline group (the
+    # one named, else the target's, else the other of two) with Welch's 95% interval
+    base = find_group(groups, baseline, "--baseline") if baseline else ref or (groups[0] if len(groups) == 2 else None)
+    result["time_baseline"] = base["label"] if base else None
+    for g, row in zip(groups, rows):
+        times = times_of(g)
+        row["time_s"], row["time_sd_s"] = mean_std(times)
+        row["time_difference_s"] = (mean_difference_interval(times, times_of(base))
+                                    if base is not None and g is not base else None)
     time_to_target(result, ref, step_times)
     return result
 
@@ -698,8 +819,9 @@ def time_to_target(result, ref, step_times):
         base = next(s for s in series if s["name"] == ref["series_label"])
         base_rule = base_crossing = ref["steps"]
     else:
-        base = next((s for s in series if s["mode"] == "vanilla"
-                     and (s["rule_steps"] or s["crossing"]["steps"] is not None)), None)
+        reached = [s for s in series if s["rule_steps"] or s["crossing"]["steps"] is not None]
+        base = next((s for s in reached if s["mode"] == "vanilla"), None) or \
+            next((s for s in reached if s["mode"] == "upstream"), None)
         base_rule, base_crossing = (base["rule_steps"], base["crossing"]["steps"]) if base else (None, None)
     result["step_times"] = "file" if step_times else "logs"
     if base is None:
@@ -722,6 +844,14 @@ def time_to_target(result, ref, step_times):
                                            s["rule_steps"] * quartiles[1] / base_rule]
         if s["crossing"]["steps"] is not None and base_crossing:
             s["time_ratio_crossing"] = s["crossing"]["steps"] * ratio / base_crossing
+        # the crossing's bootstrap interval times the step ratio's 95% interval (where measured): both carried
+        ci, r_ci = s["crossing"].get("interval"), (step_times or {}).get(s["mode"] + " interval")
+        if ci and ci["lo"] is not None and r_ci and base_crossing and s is not base:
+            s["time_ratio_crossing_interval"] = [ci["lo"] * r_ci[0] / base_crossing,
+                                                 ci["hi"] * r_ci[1] / base_crossing if ci["hi"] is not None else None]
+            s["time_ratio_crossing_lo_bound"] = ci.get("lo_bound", False)
+        if step_times and s.get("time_ratio_rule") is not None and s is not base and s["mode"] + " interval" in step_times:
+            s["time_ratio_rule_interval"] = [s["rule_steps"] * r_ci[0] / base_rule, s["rule_steps"] * r_ci[1] / base_rule]
 
 
 # ---------------------------------------------------------------------------
@@ -753,6 +883,14 @@ def _p(test):
     if test["p"] is None:
         return "no spread"
     return f"{test['p']:.1e}" if test["p"] < 1e-3 else f"{test['p']:.3f}"
+
+
+def _interval(ci, spec):
+    """' [lo, hi]' of an interval dict: '<= lo' where the lower end is a bound, 'open' for a missing upper end."""
+    if not ci or ci.get("lo") is None:
+        return ""
+    return (f" [{'<= ' if ci.get('lo_bound') else ''}{format(ci['lo'], spec)}, "
+            + (format(ci["hi"], spec) if ci.get("hi") is not None else "open") + "]")
 
 
 def _wrap(text, width=100, indent=""):
@@ -795,12 +933,25 @@ def format_report(result, show_runs=None):
     out.append(format_table(headers, rows, "lrrrrrl" if welch else "lrrrl"))
     if any(g["n_excluded"] for g in result["groups"]):
         out.append("+Nx: runs listed below and not counted")
+    base = result.get("time_baseline")
+    out += [""] + _wrap("Clocks: train time at the last validation, mean ± sd over the counted runs (runs that "
+                        "shared a machine, or ran on other hardware, do not compare)" + (
+                            f"; difference to {base!r} with Welch's 95% interval" if base else
+                            "; --baseline GROUP gives each group's difference to it"))
+    rows = []
+    for g in result["groups"]:
+        d = g.get("time_difference_s")
+        diff = ("(the baseline)" if g["label"] == base else
+                f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" if d else "-")
+        rows.append([g["label"], str(g["n"]), _f(g["time_s"], ".3f") + (f" ± {g['time_sd_s']:.3f}"
+                                                                        if g["time_sd_s"] is not None else ""), diff])
+    out.append(format_table(["group", "n", "time (s)", "difference (s)"], rows, "lrrr"))
     ref = result["reference"]
     source = ("--step_times (ratios to vanilla's, measured in one process)" if result["step_times"] == "file"
               else "the logs' clocks (train time / steps, median over runs; noisy on a shared machine)")
     out += [""] + _wrap("Steps and time to target. rule: the shortest schedule that passes (the longest that "
                         "fails below it); crossing: where the mean final loss meets the target between the "
-                        "schedules run (± sd over seeds), or, for one schedule, where its mean validation curve "
+                        "schedules run, or, for one schedule, where its mean validation curve "
                         "does (curve). time = steps x step time over "
                         + (f"{ref['series']}'s" if ref else "the reference's") + f"; step times: {source}.")
     rows = []
@@ -811,7 +962,11 @@ def format_report(result, show_runs=None):
             continue
         tested = any(g["decision"] and g["decision"]["p"] is not None
                      for g in result["groups"] if g["series"] == s["name"])
-        rule = str(s["rule_steps"]) if s["rule_steps"] is not None else "not reached" if tested else "untested"
+        below = [g for g in result["groups"] if g["series"] == s["name"] and g["decision"] and g["mean"] is not None
+                 and g["mean"] < target]
+        rule = (str(s["rule_steps"]) if s["rule_steps"] is not None else
+                f"not significant at n = {min(g['n'] for g in below)}" if below and tested
+                else "not reached" if tested else "untested")
         if s["rule_steps"] is not None and s["longest_failing"]:
             rule += f" ({s['longest_failing']} fails)"
         if c["steps"] is None:
@@ -819,17 +974,29 @@ def format_report(result, show_runs=None):
         elif c.get("below_shortest"):
             cross = f"<= {c['steps']}"
         else:
-            cross = f"{c['steps']:.0f}" + (f" ± {c['sd']:.0f}" if c["sd"] is not None else "") + (
+            cross = f"{c['steps']:.0f}" + _interval(c.get("interval"), ".0f") + (
                 " (curve)" if c["kind"] == "curve" else "")
         t_rule = _f(s.get("time_ratio_rule"), ".3f")
-        if s.get("time_ratio_bracket"):
-            t_rule += " [{:.3f}, {:.3f}]".format(*s["time_ratio_bracket"])
-        rows.append([s["name"], rule, cross, _f(s.get("step_ratio"), ".3f"), t_rule,
-                     _f(s.get("time_ratio_crossing"), ".3f")])
+        if s.get("time_ratio_rule_interval"):
+            t_rule += _interval(dict(zip(("lo", "hi"), s["time_ratio_rule_interval"])), ".3f")
+        elif s.get("time_ratio_bracket"):
+            t_rule += " {{{:.3f}, {:.3f}}}".format(*s["time_ratio_bracket"])
+        t_cross = _f(s.get("time_ratio_crossing"), ".3f")
+        if c.get("below_shortest") and s.get("time_ratio_crossing") is not None:
+            t_cross = "<= " + t_cross  # the shortest schedule already passed: a bound, not a crossing
+        elif s.get("time_ratio_crossing") is not None and s.get("time_ratio_crossing_interval"):
+            t_cross += _interval(dict(zip(("lo", "hi"), s["time_ratio_crossing_interval"]),
+                                      lo_bound=s.get("time_ratio_crossing_lo_bound")), ".3f")
+        rows.append([s["name"], rule, cross, _f(s.get("step_ratio"), ".3f"), t_rule, t_cross])
     out.append(format_table(["series", "steps: rule", "steps: crossing", "step time", "time: rule",
                              "time: crossing"], rows, "lrrrrr"))
-    if result["step_times"] == "file" and any(s.get("time_ratio_bracket") for s in result["series"]):
-        out.append("[ ]: the longest failing schedule and the passing one, times the step ratio's quartiles")
+    out += _wrap("[ ]: 95% intervals. Steps by the crossing: every group's mean drawn from its t distribution, the "
+                 "target's included (open: past the longest schedule; <=: below the shortest); time by the rule: "
+                 "the step ratio's interval only (the rule's steps are a point of the grid); time by the crossing: "
+                 "the two intervals' ends multiplied (wider than 95%).")
+    if any(s.get("time_ratio_bracket") and not s.get("time_ratio_rule_interval") for s in result["series"]):
+        out += _wrap("{ }: not an interval: the longest failing and the passing schedule, times the step ratio's "
+                     "per-round quartiles.")
     for name, tag in result["legend"].items():
         out += _wrap(f"{name}: {tag}", indent="    ")
     runs = [(g["label"], r) for g in result["groups"] for r in g["runs"]]
@@ -888,7 +1055,12 @@ def plot_groups(logs, result, out_path, title=None):
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     names = [s["name"] for s in result["series"]]
     by_label = {g["label"]: g["series"] for g in result["groups"]}
-    groups = group_runs(logs)
+    groups = group_runs(logs, result.get("ignore"))
+    machine = lambda log: _key(log.get("machine") or {})  # noqa: E731
+    counts = {}
+    for log in logs:
+        counts[machine(log)] = counts.get(machine(log), 0) + 1
+    usual = max(counts, key=counts.get) if counts else None  # runs from any other machine are drawn dotted
     ys, drawn = [], set()
     for g in groups:
         name = by_label.get(g["label"], g["series_label"])
@@ -900,10 +1072,11 @@ def plot_groups(logs, result, out_path, title=None):
             ys += [v["loss"] for v in pts if v["step"] > 0]
             label = None if name in drawn else name
             drawn.add(name)
+            style = "-" if machine(log) == usual else ":"
             axes[0].plot([v["step"] for v in pts], [v["loss"] for v in pts], color=color, lw=0.8, alpha=0.7,
-                         label=label)
+                         label=label, ls=style)
             axes[1].plot([v["time_ms"] / 1000 for v in pts], [v["loss"] for v in pts], color=color, lw=0.8,
-                         alpha=0.7)
+                         alpha=0.7, ls=style)
             for ax, x in zip(axes, (pts[-1]["step"], pts[-1]["time_ms"] / 1000)):  # the final: what is judged
                 ax.plot([x], [pts[-1]["loss"]], "o", color=color, ms=2.5)
     target = result["target"]
@@ -916,6 +1089,8 @@ def plot_groups(logs, result, out_path, title=None):
             lo, hi = min(min(ys), target), max(target, sorted(ys)[int(0.8 * (len(ys) - 1))])
             pad = 0.08 * (hi - lo) or 0.1
             ax.set_ylim(lo - pad, hi + pad)
+    if len(counts) > 1:
+        axes[0].plot([], [], color="grey", ls=":", lw=0.8, label="(dotted: runs from another machine)")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     if title:
@@ -969,9 +1144,14 @@ def build_parser():
     ap.add_argument("--step_times", default=None, metavar="FILE",
                     help="step times measured in one process (experiments/cp_cost.py step_time's output); "
                          "without it, the logs' own clocks")
+    ap.add_argument("--baseline", default=None, metavar="GROUP",
+                    help="the group whose clock the others' are compared with (default: the target's group, or the "
+                         "other of two groups)")
     ap.add_argument("--ignore", default=None, help="comma list of more settings to pool over, like seeds")
     ap.add_argument("--strict", action="store_true",
                     help="refuse, not flag, groups mixing code versions, training data or a repeated seed")
+    ap.add_argument("--allow_machines", action="store_true",
+                    help="with --strict: runs from different machines are flagged, not refused")
     ap.add_argument("--runs", action="store_true", help="list every run (default: up to 12, and those not counted)")
     ap.add_argument("--plot", default=None, metavar="OUT.png", help="write val loss vs step and vs time")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
@@ -1021,7 +1201,8 @@ def main(argv=None):
         logs, bad = load(args.logs)
         step_times = read_step_times(args.step_times) if args.step_times else None
         result = judge(logs, target=target, target_from=args.target_from, step_times=step_times,
-                       ignore=[k.strip() for k in (args.ignore or "").split(",") if k.strip()], strict=args.strict)
+                       ignore=[k.strip() for k in (args.ignore or "").split(",") if k.strip()], strict=args.strict,
+                       baseline=args.baseline, strict_machines=False if args.allow_machines else None)
     except ValueError as e:
         return _error(str(e))
     for msg in bad:
