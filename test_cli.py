@@ -575,14 +575,18 @@ def test_run_sh_without_a_gpu_runs_the_race(tmp_path):
     assert r.returncode == 0, r.stderr
     pip = [c for c in calls if c.startswith("-m pip")]
     assert len(pip) == 1 and "tiktoken" in pip[0] and "torch" not in pip[0]
-    train = [c for c in calls if c.startswith("train_gpt_cplm.py")]
-    assert [c.split("--cplm ")[1].split()[0] for c in train] == ["0", "1"]  # vanilla, then CPLM
-    assert all("--preset cpu" in c and "--save_checkpoint 1" in c and c.endswith("--num_iterations 5") for c in train)
-    race = re.search(r"--run_id (cpu_race_\d+_\d+_\d+)_vanilla", train[0]).group(1)
-    assert f"--run_id {race}_cplm" in train[1]
-    assert calls[-1] == (f"tools/compare.py logs/{race}_vanilla.txt logs/{race}_cplm.txt --target_from vanilla "
-                         f"--plot logs/{race}.png")
-    assert f"logs/{race}_vanilla.txt and logs/{race}_cplm.txt" in r.stdout  # the logs named before training
+    race = re.fullmatch(r"tools/run_race.py --out (logs/race_\d+_\d+_\d+) -- --num_iterations 5", calls[-1])
+    assert race, calls[-1]  # the flags go to every run
+    assert f"{race.group(1)}/" in r.stdout  # the race's folder named before it starts
+    r, calls = _run_sh(tmp_path, "nothing", "race", "--seeds", "0,1,2,3,4")  # its own arguments, on any machine
+    assert re.fullmatch(r"tools/run_race.py --out logs/race_\d+_\d+_\d+ --seeds 0,1,2,3,4", calls[-1]), calls[-1]
+
+
+def test_run_sh_refuses_exactly_the_flags_the_race_sets():
+    race = _load("tools/run_race.py")
+    text = (Path(ROOT) / "run.sh").read_text()
+    refused = set(re.findall(r"--(\w+)\|--\1=\*", text))
+    assert refused == set(race.RACE_OWNS), refused ^ set(race.RACE_OWNS)
 
 
 def test_data_scripts_refuse_what_would_fail_later(capsys):
@@ -611,7 +615,7 @@ def test_requirements_state_the_need_and_ci_pins_the_cpu_build():
     def requirements(path):
         return [l.split("#")[0].strip() for l in path.read_text().splitlines() if l.split("#")[0].strip()]
     assert requirements(Path(ROOT) / "requirements.txt") == ["torch>=2.11", "numpy", "tiktoken", "huggingface_hub", "pytest",
-                                                               "matplotlib"]
+                                                               "matplotlib", "scipy>=1.11"]
     assert requirements(Path(ROOT) / ".ci" / "constraints.txt") == ["torch==2.13.0"]
     ci = (Path(ROOT) / ".ci" / "run").read_text().strip().splitlines()
     install = [l for l in ci if "pip install" in l]
@@ -619,4 +623,5 @@ def test_requirements_state_the_need_and_ci_pins_the_cpu_build():
     # README's first code block is exactly the commands (the run, the tests, the help), and CI runs the tests
     block = re.search(r"```\n(.*?)```", (Path(ROOT) / "README.md").read_text(), re.S).group(1)
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
-    assert commands == ["bash run.sh", "bash run.sh test", "bash run.sh --help"] and ci[-1] == "bash run.sh test"
+    assert commands == ["bash run.sh", "bash run.sh race", "bash run.sh test", "bash run.sh --help"]
+    assert ci[-1] == "bash run.sh test"

@@ -71,22 +71,24 @@ def test_cp_head_zero_coupling_is_exact():
         torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
 
 
-def gpu_path_model(cplm):
-    return preflight.cuda_path_model(cplm, 512, vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64,
-                                     num_heads=2, no_attention_layer=2)
+def gpu_path_model(cplm, **config):
+    return preflight.cuda_path_model(cplm, 512, **{**dict(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64,
+                                                        num_heads=2, no_attention_layer=2), **config})
 
 
-@pytest.mark.parametrize("cplm", [0, 1])
-def test_training_and_eval_graphs_lower(cplm):
-    """Both modes' training forward and backward (FlexAttention masks, FP8 head, CP head) and evaluation
+# vanilla and CPLM with the speedrun's layout (a layer without attention); the sentinel with gpu1's (attention in
+# every layer): every mode and layout the one-GPU race compiles
+@pytest.mark.parametrize("cplm,config", [(0, {}), (1, {}), (1, dict(copy_gate="sentinel", no_attention_layer=-1))])
+def test_training_and_eval_graphs_lower(cplm, config):
+    """Every mode's training forward and backward (FlexAttention masks, FP8 head, CP head) and evaluation
     (eval mode, token statistics) as train_gpt_cplm compiles them on CUDA."""
-    model = gpu_path_model(cplm)
+    model = gpu_path_model(cplm, **config)
     x, y = packed_row(384, seed=2)
     window = torch.tensor(3, dtype=torch.int32)
     train = preflight.lower(model, x, y, window)
     preflight.expect_gpu_stops(train, ["forward", "backward"])
     # every attention layer's flex op, and the CP head's two, reached the GPU-only step in both directions
-    flex_ops = 3 + 2 * cplm  # 4 layers, one without attention
+    flex_ops = (3 if model.config.no_attention_layer == 2 else 4) + 2 * cplm  # 4 layers, one without attention or none
     for r in train:
         assert len(r.flex_stops) == flex_ops, r.line()
     model.eval()

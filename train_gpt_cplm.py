@@ -109,7 +109,7 @@ class Hyperparameters:
 PRESETS = {
     # the 8xH100 speedrun: modded-nanogpt's 2025-01-26 record (1770 steps of 8 x 48Ki tokens); the defaults
     "speedrun": dict(),
-    # one GPU (tools/race.py): the record's architecture at 4 x 768 (its V/D), 500 steps of one 32Ki-token row,
+    # one GPU (tools/run_race.py): the record's architecture at 4 x 768 (its V/D), 500 steps of one 32Ki-token row,
     # vanilla in ~20 s on an H100; FineWeb's first train shard (records/one_gpu_race says why this size)
     "gpu1": dict(train_files="data/fineweb10B/fineweb_train_000001.bin", val_tokens=8 * 64 * 1024,
                  batch_size=32 * 1024, seq_len=32 * 1024, val_seq_len=64 * 1024, num_layers=4, no_attention_layer=-1,
