@@ -354,8 +354,10 @@ def test_a_refused_start_under_torchrun_ends_at_once(toy_data, tmp_path):
     assert time.monotonic() - t0 < 25
 
 
-def test_sigterm_ends_the_log_with_a_stopped_line(toy_data, tmp_path):
-    """A scheduler's SIGTERM once left a log without a "stopped:" line, ended mid-run."""
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_ends_the_log_with_a_stopped_line_and_one_line_on_stderr(toy_data, tmp_path, signum):
+    """A scheduler's SIGTERM once left a log without a "stopped:" line, ended mid-run; a closed terminal's SIGHUP
+    left no "stopped:" line and the lock file; Ctrl-C printed a traceback."""
     import signal as sig
     import time
     args = [sys.executable, SCRIPT] + tiny_flags(toy_data, tmp_path, num_iterations=100000, val_loss_every=0)
@@ -365,10 +367,30 @@ def test_sigterm_ends_the_log_with_a_stopped_line(toy_data, tmp_path):
     while time.monotonic() < deadline and not re.search(r"^step:3/", (tmp_path / "run.txt").read_text()
                                                           if (tmp_path / "run.txt").exists() else "", re.M):
         time.sleep(0.2)
-    proc.send_signal(sig.SIGTERM)
+    proc.send_signal(getattr(sig, signum))
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and "stopped by signal SIGTERM" in err
-    assert (tmp_path / "run.txt").read_text().splitlines()[-1] == "stopped: SystemExit: stopped by signal SIGTERM"
+    last = (tmp_path / "run.txt").read_text().splitlines()[-1]
+    if signum == "SIGINT":
+        assert proc.returncode == 130 and err.strip().endswith("stopped by Ctrl-C (its log says so)"), err
+        assert "Traceback" not in err and last.startswith("stopped: KeyboardInterrupt")
+    else:
+        assert proc.returncode != 0 and f"stopped by signal {signum}" in err
+        assert last == f"stopped: SystemExit: stopped by signal {signum}"
+    assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.glob(".*.lock"))  # the lock goes with the run
+
+
+def test_main_gives_the_callers_signal_handlers_back(toy_data, tmp_path):
+    """main() installed its SIGTERM handler for good: under pytest SIGINT/SIGTERM then no longer stopped the suite.
+    A caller's handlers are its own again when main returns (tools/run_race.py runs main many times)."""
+    import signal as sig
+    mine = lambda signum, frame: None  # noqa: E731
+    before = {s: sig.signal(s, mine) for s in (sig.SIGTERM, sig.SIGHUP)}
+    try:
+        assert tg.main(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0)) == 0
+        assert sig.getsignal(sig.SIGTERM) is mine and sig.getsignal(sig.SIGHUP) is mine
+    finally:
+        for s, h in before.items():
+            sig.signal(s, h)
 
 
 def test_missing_data_names_the_download_command(tmp_path):

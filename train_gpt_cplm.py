@@ -979,7 +979,7 @@ def use_fp8_head(flag, device):
     return flag == 1 or flag == -1 and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _terminate(signum, frame):  # a scheduler's SIGTERM ends the run through the log's "stopped:" line
+def _terminate(signum, frame):  # a signal that ends the run through the log's "stopped:" line
     raise SystemExit(f"stopped by signal {signal.Signals(signum).name}")
 
 
@@ -987,30 +987,36 @@ def main(argv=None, before_clock=None):
     """before_clock: called once the untimed warm-up is done, just before the clock starts (a GPU check's runner
     takes its turn on the GPU there)."""
     a = parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    a, checkpoint, changed = run_files.run_settings(a, FLAGS_GIVEN)  # --resume: the checkpoint's, flags win
-    # distributed set-up: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
-    distributed = "WORLD_SIZE" in os.environ
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        # as the record: less fragmentation (read when the allocator starts, which happens below)
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.empty(1, device=device, requires_grad=True).backward()  # as the record: avoids a bug on some systems
-    else:
-        device = torch.device("cpu")
-        import_cpu_head().use_heap_for_large_tensors()
-        if "OMP_NUM_THREADS" not in os.environ:  # share the cores among the local processes
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    if (a.batch_size // a.seq_len) % world_size:
-        raise UsageError(f"--batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not divisible by "
-                         f"{world_size} processes")
-    # the run's claim: its lock, the same settings and shards on every rank, a log that a refused start undoes
-    with run_files.claim_run(a, rank, distributed, device, sources=(__file__, run_files.__file__)) as log:
-        return train(a, log, rank, world_size, device, checkpoint, changed, before_clock)
+    # SIGTERM (a scheduler) and SIGHUP (a closed terminal) end the run through its log's "stopped:" line; the
+    # caller's own handlers come back when main returns (tests and tools/run_race.py call it in their process)
+    handlers = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        a, checkpoint, changed = run_files.run_settings(a, FLAGS_GIVEN)  # --resume: the checkpoint's, flags win
+        # distributed set-up: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
+        distributed = "WORLD_SIZE" in os.environ
+        rank = int(os.environ.get("RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            # as the record: less fragmentation (read when the allocator starts, which happens below)
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            torch.empty(1, device=device, requires_grad=True).backward()  # as the record: avoids a bug on some systems
+        else:
+            device = torch.device("cpu")
+            import_cpu_head().use_heap_for_large_tensors()
+            if "OMP_NUM_THREADS" not in os.environ:  # share the cores among the local processes
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        if (a.batch_size // a.seq_len) % world_size:
+            raise UsageError(f"--batch_size / --seq_len = {a.batch_size // a.seq_len} rows, not divisible by "
+                             f"{world_size} processes")
+        # the run's claim: its lock, the same settings and shards on every rank, a log that a refused start undoes
+        with run_files.claim_run(a, rank, distributed, device, sources=(__file__, run_files.__file__)) as log:
+            return train(a, log, rank, world_size, device, checkpoint, changed, before_clock)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def train(a: Hyperparameters, log, rank, world_size, device, checkpoint=None, changed=(), before_clock=None):
@@ -1236,11 +1242,9 @@ if __name__ == "__main__":
     said_by_rank_0 = int(os.environ.get("RANK", 0)) > 0  # under torchrun every rank fails alike: one says why
     try:
         sys.exit(main())
-    except UsageError as e:
-        if not said_by_rank_0:
-            print(f"{os.path.basename(sys.argv[0])}: error: {e} (see --help)", file=sys.stderr)
-        sys.exit(2)
-    except DataError as e:
-        if not said_by_rank_0:
-            print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    except (UsageError, DataError, KeyboardInterrupt) as e:  # one line, no traceback
+        code = 2 if isinstance(e, UsageError) else 130 if isinstance(e, KeyboardInterrupt) else 1
+        said = "stopped by Ctrl-C (its log says so)" if code == 130 else f"error: {e}{' (see --help)' * (code == 2)}"
+        if not said_by_rank_0 or code == 130:
+            print(f"{os.path.basename(sys.argv[0])}: {said}", file=sys.stderr)
+        sys.exit(code)

@@ -8,9 +8,9 @@
 
 What it does, in one definition for every table in the repo:
 - **Groups.** A run's mode (vanilla, CPLM, sentinel, stop-grad CPLM or sentinel) and its schedule length
-  (`num_iterations`) make its group; seeds and data orders (`seed`, `data_seed`) are pooled, as are the knobs that only name or
-  place a run (`run_id`, `log_dir`, checkpoints, logging intervals). A *series* is one mode's groups at every
-  schedule length, all other settings equal. A killed run (no final line), a log cut mid-line, a copy of
+  (`num_iterations`) make its group; seeds and data orders (`seed`, `data_seed`) are pooled, as are the knobs
+  that only name or place a run (`run_id`, `log_dir`, checkpoints, logging intervals). A *series* is one mode's
+  groups at every schedule length, all other settings equal. A killed run (no final line), a log cut mid-line, a copy of
   another log and a log whose final line disagrees with its last validation are listed and not counted.
   **Upstream's logs** (modded-nanogpt's records: the code, a ruler, step lines, no settings and no final line)
   are read as they are: mode "upstream", grouped by their code's sha256 and their length, complete when their
@@ -23,10 +23,10 @@ What it does, in one definition for every table in the repo:
 - **Steps to target**, two readings. *The rule's*: the shortest schedule whose group passes (the longest
   failing one below it in brackets). *The crossing*: where the mean final loss, as a function of schedule
   length over the schedules run, meets the target, linearly interpolated between the two schedules around it,
-  with a 95% interval (every group's mean drawn from its t distribution, the target's group's included). A series with one schedule only gets the
-  *curve crossing* instead: the first step at which its mean validation curve meets the target (interpolated
-  between validations); it reads the schedule before its cooldown has ended, so it flatters short runs less
-  than a longer schedule would, and says so.
+  with a 95% interval (every group's mean drawn from its t distribution, the target's group's included). A
+  series with one schedule only gets the *curve crossing* instead: the first step at which its mean
+  validation curve meets the target (interpolated between validations); it reads the schedule before its
+  cooldown has ended, so it flatters short runs less than a longer schedule would, and says so.
 - **Time to target** = steps x step time. The step time comes from `--step_times FILE` (one process timing
   the modes alternated: experiments/cp_cost.py step_time's JSON line) or, without it, from the logs' own
   clocks (the median over a group's runs of train time / steps: noisy on a shared machine). The ratio is to
@@ -760,7 +760,8 @@ def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore
         runs = [summarize_run(log) for log in g["logs"]]
         counted = [r["step_ms"] for r in runs if r["excluded"] is None and r["step_ms"]]
         rows.append(dict(label=g["label"], series=g["series_label"], mode=g["mode"], steps=g["steps"], finals=[
-                             {"seed": k[0], "data_seed": k[1], "loss": x} if k[0] != "file" else {"file": k[1], "loss": x}
+                             {"seed": k[0], "data_seed": k[1], "loss": x} if k[0] != "file"
+                             else {"file": k[1], "loss": x}
                              for k, x in finals_of(g).items()],
                          is_target=g is ref, decision=None if g is ref else d, n=d["n"], mean=d["mean"], sd=d["sd"],
                          step_ms=_median(counted), runs=runs, n_excluded=sum(r["excluded"] is not None for r in runs),
@@ -850,8 +851,9 @@ def time_to_target(result, ref, step_times):
             s["time_ratio_crossing_interval"] = [ci["lo"] * r_ci[0] / base_crossing,
                                                  ci["hi"] * r_ci[1] / base_crossing if ci["hi"] is not None else None]
             s["time_ratio_crossing_lo_bound"] = ci.get("lo_bound", False)
-        if step_times and s.get("time_ratio_rule") is not None and s is not base and s["mode"] + " interval" in step_times:
-            s["time_ratio_rule_interval"] = [s["rule_steps"] * r_ci[0] / base_rule, s["rule_steps"] * r_ci[1] / base_rule]
+        if s.get("time_ratio_rule") is not None and s is not base and r_ci:  # the step ratio's interval only
+            s["time_ratio_rule_interval"] = [s["rule_steps"] * r_ci[0] / base_rule,
+                                             s["rule_steps"] * r_ci[1] / base_rule]
 
 
 # ---------------------------------------------------------------------------

@@ -63,7 +63,8 @@ SETTINGS = {
     "cpu": dict(preset="cpu", flags=["--batch_size", "1024", "--num_iterations", "100", "--val_loss_every", "20"],
                 fractions="0.8,0.6", ab_reserve=60, report_reserve=20, deadline=0, rounds_s=20),
     # the tests: a 2 x 64 model, 256-token rows, 8 steps, seconds in all
-    "dry": dict(preset="cpu", flags=["--num_layers", "2", "--model_dim", "64", "--num_heads", "1", "--batch_size", "256",
+    "dry": dict(preset="cpu", flags=["--num_layers", "2", "--model_dim", "64", "--num_heads", "1",
+                                     "--batch_size", "256",
                                      "--seq_len", "256", "--val_seq_len", "512", "--val_tokens", "1024",
                                      "--attn_window", "256", "--attn_window_start", "256", "--num_iterations", "8",
                                      "--val_loss_every", "2", "--train_loss_every", "0"],
@@ -431,7 +432,8 @@ def drive(args, extra):
     deadline = s["deadline"] if args.deadline_s is None else args.deadline_s
     end_all = started + deadline if deadline > 0 else None
     extra = [part for x in extra for part in (x.split("=", 1) if x.startswith("--") and "=" in x else [x])]
-    given = {k: os.path.abspath(extra[i + 1]) for i, k in enumerate(extra[:-1]) if k in ("--train_files", "--val_files")}
+    given = {k: os.path.abspath(extra[i + 1]) for i, k in enumerate(extra[:-1])
+             if k in ("--train_files", "--val_files")}  # globs from where the command was given
     extra = [x for i, x in enumerate(extra) if x not in ("--train_files", "--val_files")
              and (i == 0 or extra[i - 1] not in ("--train_files", "--val_files"))]
     sys.path.insert(0, ROOT)
@@ -451,8 +453,8 @@ def drive(args, extra):
     log_dir = os.path.join(out, "logs")
     os.makedirs(os.path.join(out, "workers"), exist_ok=True)
     report = Report(os.path.join(out, "report.txt"))
-    report(f"race: {', '.join(args.modes)}; {kind}: preset {s['preset']}{' ' + ' '.join(s['flags']) if s['flags'] else ''}"
-           f"{' ' + ' '.join(extra) if extra else ''}; data: {data_what}; seeds {','.join(map(str, args.seeds))}")
+    report(f"race: {', '.join(args.modes)}; {kind}: preset " + " ".join([s["preset"], *s["flags"], *extra])
+           + f"; data: {data_what}; seeds {','.join(map(str, args.seeds))}")
     for mode, runs in plan.items():
         schedules = sorted({steps for _, steps, _ in runs})
         report(f"  {mode}: {len(runs)} runs, schedules {', '.join(map(str, schedules))} steps")
@@ -617,8 +619,9 @@ def simulate(card, slow=1.0):
     end = t_ab + A["judge_s"] * slow
     lines.append(f"  {t_ab:5.0f}s  step time measured (the A/B: {A['ab_s'] * slow:.0f}s)")
     lines.append(f"  {end:5.0f}s  judged; deadline {s['deadline']}s")
-    head = [f"{c['name']}, every assumed time x {slow}: {slots} processes at once; vanilla {c['vanilla_step_ms'] * slow:.0f}"
-            f" ms a step alone, N = {n} -> {gpu_seconds('vanilla', n):.0f}s a vanilla run",
+    head = [f"{c['name']}, every assumed time x {slow}: {slots} processes at once; vanilla "
+            f"{c['vanilla_step_ms'] * slow:.0f} ms a step alone, N = {n} -> {gpu_seconds('vanilla', n):.0f}s a "
+            "vanilla run",
             f"  runs done {len(done)} of {sum(len(r) for r in plan.values())}"
             + (f"; not started {', '.join(skipped + never)}" if skipped or never else "")
             + (f"; stopped {', '.join(cut)}" if cut else "")]
