@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import logging
 import os
 import re
 import subprocess
@@ -43,11 +44,14 @@ import time
 import types
 import unittest.mock
 
-import torch
-import torch._inductor.config as inductor_config
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-from torch._inductor.graph import GraphLowering
-from torch.utils._pytree import tree_map
+# without Triton, torch's flop counter warns once at import: the pre-flight counts no Triton kernels' flops, and a
+# refusal stays the one line that says what to install
+logging.getLogger("torch.utils.flop_counter").setLevel(logging.ERROR)
+import torch  # noqa: E402
+import torch._inductor.config as inductor_config  # noqa: E402
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: E402
+from torch._inductor.graph import GraphLowering  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
 
 # the messages at which a CPU machine legitimately stops: no Triton at all; Triton without a GPU driver...
 TRITON_NEEDED = ("No module named 'triton'", "0 active drivers", "0 compatible backends for target (cpu)")
