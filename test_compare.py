@@ -707,3 +707,20 @@ def test_diverged_weights_an_extended_schedule_and_a_diverged_schedule(tmp_path)
         "hyperparameters: ", 1))
     log = compare.parse_log(str(resumed))
     assert "schedule changed on a resume (100 -> 250" in log["problem"]
+
+
+def test_runs_stopped_by_target_val_loss_are_not_judged_by_a_schedules_test(tmp_path):
+    """A reviewer's: runs that --target_val_loss stopped early read 'not reached' (their finals are cut at that
+    loss, so the one-sample test on them says nothing); now they are said to have stopped there, and where."""
+    for seed in (0, 1):
+        path = write_log(tmp_path / f"v{seed}.txt", f"v{seed}",
+                         hp(seed, cplm=0, num_iterations=300, target_val_loss=3.28),
+                         [(0, 10.8, 0), (100, 4.0, 10000), (200 + 10 * seed, 3.279, 20000)])
+        head, tail = path.read_text().rsplit("peak memory", 1)  # the log's own line, not the source's
+        path.write_text(head + f"target val_loss 3.28 reached at step {200 + 10 * seed}\npeak memory" + tail)
+    result = judge_dir(tmp_path, target=3.28)
+    (g,) = result["groups"]
+    assert g["decision"]["at_target"] == [200, 210] and not g["decision"]["passed"]
+    text = compare.format_report(result)
+    assert "stopped at --target_val_loss (steps 200, 210)" in text and "stopped at the target" in text
+    assert "not reached" not in text and "not significant" not in text

@@ -81,6 +81,7 @@ RE_TRAIN = re.compile(  # train_loss is optional: a step without --train_loss_ev
 )
 RE_STEP_KV = re.compile(r"^step:(\d+)/(\d+) ((?:[A-Za-z_]\w*:\S+)(?: [A-Za-z_]\w*:\S+)*)\s*$")
 RE_STOPPED = re.compile(r"^stopped:(.*)$")
+RE_AT_TARGET = re.compile(r"^target val_loss \S+ reached at step (\d+)")  # --target_val_loss ended the run there
 # why a run that diverged stopped: a non-finite loss, or non-finite weights found when a checkpoint was due
 RE_DIVERGED = re.compile(r"^(?:\w+: )?(?:(?:val|train)_loss is (?:nan|inf|-inf)|step \d+: the weights are not finite)")
 RE_RESUMED_AT = re.compile(r"^(?:continuing|resumed from .*) at step (\d+), train_time")
@@ -151,6 +152,7 @@ def parse_log(path):
     by_step = {"val": {}, "train": {}, "diags": {}}
     stopped, peak, reserved, finished, final, git, data = None, None, None, False, None, None, {}
     schedules = []  # num_iterations of each section: a resume that changed it made a schedule no group has
+    at_target = None  # the step at which --target_val_loss stopped the run
     machine = {}  # torch, platform, gpu: where it ran
     for line in lines[separator + 1:separator + 400]:  # the header: versions and hardware come first
         m = RE_PLATFORM.match(line)
@@ -186,6 +188,10 @@ def parse_log(path):
             for logged in by_step.values():
                 for step in [s for s in logged if s > int(m.group(1))]:
                     del logged[step]
+            continue
+        m = RE_AT_TARGET.match(line)
+        if m:
+            at_target = int(m.group(1))
             continue
         if not line.startswith(("step:", "stopped:", "peak memory")):
             continue
@@ -248,7 +254,7 @@ def parse_log(path):
     fingerprint = hashlib.sha256(json.dumps([hparams, val, train], sort_keys=True, default=str).encode()).hexdigest()
     return dict(path=str(path), run_id=str(run_id), hyperparameters=hparams or {},
                 val=val, train=train, diagnostics=diags, stopped=stopped, finished=finished, problem=problem,
-                upstream=upstream, machine=machine,
+                upstream=upstream, machine=machine, at_target=at_target,
                 peak_mem_mib=peak, reserved_mem_mib=reserved, fingerprint=fingerprint, git=git, data=data)
 
 
@@ -616,6 +622,8 @@ def curve_crossing(group, target):
     at, _ = interpolate_crossing([(s, x) for s, x in points if math.isfinite(x)], target)
     own = [target_crossing(log["val"], target) for log in group["logs"] if log["excluded"] is None]
     own = [c["interp_step"] for c in own if c]
+    if at is None and own and len(own) == len(curves):  # validated at other steps (runs stopped at their target):
+        at = mean_std(own)[0]  # every run crossed, each on its own curve
     return dict(steps=at, sd=mean_std(own)[1], n_seeds=len(own))
 
 
@@ -757,6 +765,12 @@ def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore
     rows = []
     for g in groups:
         d = decide(finals_of(g), target, reference if g is not ref else None)
+        # runs that --target_val_loss stopped early: their finals are cut at that loss, so no schedule's test
+        # applies to them (neither a pass nor a fail); their crossing says when they got there
+        d["at_target"] = sorted(log["at_target"] for log in g["logs"]
+                                if log["excluded"] is None and log.get("at_target"))
+        if d["at_target"]:
+            d["passed"] = False
         runs = [summarize_run(log) for log in g["logs"]]
         counted = [r["step_ms"] for r in runs if r["excluded"] is None and r["step_ms"]]
         rows.append(dict(label=g["label"], series=g["series_label"], mode=g["mode"], steps=g["steps"], finals=[
@@ -773,7 +787,7 @@ def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore
         passing = [r["steps"] for r in mrows if r["decision"] and r["decision"]["passed"]]
         rule = min(passing) if passing else None
         failing = [r["steps"] for r in mrows if r["decision"] and not r["decision"]["passed"]
-                   and (rule is None or r["steps"] < rule)]
+                   and not r["decision"]["at_target"] and (rule is None or r["steps"] < rule)]
         if ref is not None and name == ref["series_label"]:
             rule, failing = ref["steps"], []
         if len(members) > 1:
@@ -926,8 +940,9 @@ def format_report(result, show_runs=None):
             rows.append([g["label"], n, loss, "(the target)", "", "", ""] if welch else
                         [g["label"], n, loss, "(the target)", ""])
             continue
-        verdict = ("yes" if d["passed"] else "diverged" if d["n_nonfinite"] else "no" if d["p"] is not None
-                   else "untested")
+        verdict = ("yes" if d["passed"] else "diverged" if d["n_nonfinite"] else
+                   f"stopped at --target_val_loss (steps {', '.join(map(str, d['at_target']))})" if d.get("at_target")
+                   else "no" if d["p"] is not None else "untested")
         rows.append([g["label"], n, loss, _p(d["welch"]), _p(d["one_sample"]), _p(d["paired"]), verdict] if welch
                     else [g["label"], n, loss, _p(d["one_sample"]), verdict])
     headers = (["group", "n", "final val loss", "p Welch", "p 1-sample", "p paired", "passes"] if welch
@@ -962,13 +977,15 @@ def format_report(result, show_runs=None):
         if ref and s["name"] == ref["series"] and result["target_from"]:
             rows.append([s["name"], f"{s['rule_steps']} (defines it)", "", _f(s.get("step_ratio"), ".3f"), "1", "1"])
             continue
-        tested = any(g["decision"] and g["decision"]["p"] is not None
-                     for g in result["groups"] if g["series"] == s["name"])
-        below = [g for g in result["groups"] if g["series"] == s["name"] and g["decision"] and g["mean"] is not None
-                 and g["mean"] < target]
+        judged = [g for g in result["groups"] if g["series"] == s["name"] and g["decision"]
+                  and not g["decision"].get("at_target")]
+        tested = any(g["decision"]["p"] is not None for g in judged)
+        below = [g for g in judged if g["mean"] is not None and g["mean"] < target]
+        stopped = any(g["decision"] and g["decision"].get("at_target") for g in result["groups"]
+                      if g["series"] == s["name"])
         rule = (str(s["rule_steps"]) if s["rule_steps"] is not None else
                 f"not significant at n = {min(g['n'] for g in below)}" if below and tested
-                else "not reached" if tested else "untested")
+                else "not reached" if tested else "stopped at the target" if stopped else "untested")
         if s["rule_steps"] is not None and s["longest_failing"]:
             rule += f" ({s['longest_failing']} fails)"
         if c["steps"] is None:
