@@ -235,7 +235,8 @@ def check_log_target(a, writer=True):
     if os.path.exists(log_path(a)) and not continues_own_run(a) and not a.overwrite:
         raise UsageError(f"{log_path(a)} exists: choose another --run_id, continue it with --resume of one of its "
                          "own checkpoints, or replace it with --overwrite 1")
-    if checkpoints_in(checkpoints) and not a.resume and not a.overwrite:
+    if checkpoints_in(checkpoints) and not continues_own_run(a) and not a.overwrite:  # another run's state would
+        # be written over them (a resume of someone else's checkpoint starts a new run in this folder)
         raise UsageError(f"{checkpoints} holds checkpoints of an earlier run: choose another --run_id, continue it "
                          "with --resume of one of them, or replace them with --overwrite 1")
     if continues_own_run(a) and not a.overwrite:  # resuming from an earlier checkpoint would overwrite later ones

@@ -361,8 +361,11 @@ def test_a_signal_ends_the_log_with_a_stopped_line_and_one_line_on_stderr(toy_da
     import signal as sig
     import time
     args = [sys.executable, SCRIPT] + tiny_flags(toy_data, tmp_path, num_iterations=100000, val_loss_every=0)
+    # a shell without job control starts background jobs with SIGINT ignored, and the child would inherit that:
+    # the script gets SIGINT as a terminal gives it
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: sig.signal(sig.SIGINT, sig.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not re.search(r"^step:3/", (tmp_path / "run.txt").read_text()
                                                           if (tmp_path / "run.txt").exists() else "", re.M):

@@ -294,6 +294,10 @@ def test_a_fresh_run_refuses_a_folder_of_earlier_checkpoints(tmp_path):
     flags = ["--preset", "cpu", "--log_dir", str(tmp_path), "--run_id", "run"]
     with pytest.raises(tg.UsageError, match="holds checkpoints of an earlier run"):
         tg.run_files.check_log_target(tg.parse_args(flags))
+    # a resume of another run's checkpoint starts a new run in this folder: it would write over them too
+    other = dataclasses.replace(tg.parse_args(flags), resume=str(tmp_path / "other" / "state_step000002.pt"))
+    with pytest.raises(tg.UsageError, match="holds checkpoints of an earlier run"):
+        tg.run_files.check_log_target(other)
     tg.run_files.check_log_target(tg.parse_args(flags + ["--overwrite", "1"]))
 
 
