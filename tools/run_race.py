@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """The race: vanilla, CPLM and the pointer sentinel trained to vanilla's loss, on one GPU or on a CPU, then judged.
 
-    python tools/run_race.py --out race            # one GPU: the gpu1 preset, within 570 s on an 80 GB H100 or an H200
-                                               # no GPU: the cpu preset at race size, about 20 min on 2 cores
-    python tools/run_race.py --out race --seeds 0,1,2,3,4 --deadline_s 0 -- --lr_muon 0.04   # flags after -- go to
-                                               # every run and to the step-time measurement
-    python tools/run_race.py --plan h100           # the budget simulation of the one-GPU race (no GPU needed)
+    python tools/run_race.py --out race      # one GPU: the gpu1 preset, within 570 s on an 80 GB H100 or an H200;
+                                             # no GPU: the cpu preset at race size, about 20 min on 2 cores
+    python tools/run_race.py --out race --seeds 0,1,2,3,4 --deadline_s 0 -- --lr_muon 0.04
+                                             # flags after -- go to every run and to the step-time measurement
+    python tools/run_race.py --plan h100     # the budget simulation of the one-GPU race (no GPU needed)
 
 Data: on a GPU, FineWeb's first train shard and its val shard (`python data/cached_fineweb10B.py 1`) when they are
 there, else the offline stand-in `data/prose_gpt2/` (English prose in GPT-2 tokens, 21M train tokens: a gpu1 run
@@ -34,7 +34,8 @@ With --deadline_s (570 on a GPU, none on a CPU): training gets what is left afte
 3; a run whose estimated time does not fit is not started (said), runs still going at that point are stopped
 (their logs end with `stopped:` and are not counted) and phases 2 and 3 still run; a phase that fails is said
 and the next one still runs. Running the command again with the same OUT continues: finished runs are kept,
-the others run. Exit 0 when the judge gave its table, 1 when it could not, 2 on bad arguments.
+the others run (a finished run made with other settings runs again). Exit 0 when the judge gave its table, 1 when
+it could not, 2 on bad arguments.
 """
 import argparse
 import gc
