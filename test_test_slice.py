@@ -237,3 +237,17 @@ def test_keep_done_refuses_a_bad_out_json_and_leaves_it_untouched(tmp_path, monk
     assert f"{tmp_path / 'slice.json'}" in err and "not this script's output" in err
     assert (tmp_path / "slice.json").read_bytes() == text and (tmp_path / "slice.json").stat().st_mtime_ns == 1
     assert scored == [] and not (tmp_path / "slice.md").exists()
+
+
+def test_a_checkpoint_whose_val_shards_were_rebuilt_is_refused(tmp_path, capsys):
+    """A hostile tester's: after the val shard was rebuilt, a run was scored on the new text and pooled with records
+    scored on the old (1138 against 1062 targets) under one caption, exit 0. The checkpoint carries its shards'
+    sha256: other bytes are one line, exit 1, nothing written."""
+    toy_val_split(tmp_path)
+    good = tiny_checkpoint(tmp_path)
+    shard = tmp_path / "toy_val_000000.bin"
+    shard.write_bytes(shard.read_bytes()[:-2] + b"\x00\x00")  # the last token changed: another build
+    out = tmp_path / "report" / "slice"
+    assert ts.main([str(good), "--out", str(out), *SLICE]) == 1
+    assert "validated on other bytes" in one_line_error(capsys)
+    assert not out.with_suffix(".json").exists()

@@ -285,7 +285,23 @@ def read_checked(path, mmap=False):
         raise EvalError(f"{path}: its hyperparameters (vocab_size {a.vocab_size}, model_dim {a.model_dim}, num_layers "
                         f"{a.num_layers}) do not describe its weights (embed "
                         f"{tuple(embed.shape) if torch.is_tensor(embed) else 'not a tensor'}, {len(blocks)} blocks)")
+    check_val_shards(path, a)
     return a, step, weights
+
+
+def check_val_shards(path, a):
+    """The val shards are the bytes the run validated on (their sha256, which the checkpoint carries): a slice of
+    rebuilt shards is other text, and its scores must not pool with the records'. Checkpoints saved before the
+    hashes were carried are not checked."""
+    try:
+        saved = run_files.read_checkpoint(path, "cpu", verify=False, mmap=True, resumable=False).get("shards") or {}
+        now = [run_files.file_sha256(p) for p in tg.find_shards(val_pattern(a))] if saved.get("val") else None
+    except tg.DataError as e:
+        raise EvalError(str(e))
+    if now is not None and now != saved["val"]:
+        raise EvalError(f"{path}: its run validated on other bytes than {val_pattern(a)} holds now (sha256 "
+                        f"{saved['val'][0][:12]}... then, {now[0][:12] if now else 'none'}... now): rebuilt shards are "
+                        "other text, whose scores would pool with the records' under one caption")
 
 
 def load_model(path):
