@@ -540,21 +540,25 @@ def run_key(log):
     return (hp.get("seed"), hp.get("data_seed")) if hp.get("seed") is not None else ("file", log["path"])
 
 
+def diverged(log):
+    """A run that stopped on a non-finite loss or weights."""
+    return bool(RE_DIVERGED.match(log.get("stopped") or ""))
+
+
 def finals_of(group):
     """{run_key: final val loss} of the group's counted runs (a repeated seed keeps the first)."""
     out = {}
     for log in group["logs"]:
         if log["excluded"] is None:
             # a run stopped by a non-finite train loss or weights diverged: its last validation is not its final
-            diverged = bool(RE_DIVERGED.match(log.get("stopped") or ""))
-            out.setdefault(run_key(log), math.nan if diverged else log["val"][-1]["loss"])
+            out.setdefault(run_key(log), math.nan if diverged(log) else log["val"][-1]["loss"])
     return out
 
 
 def times_of(group):
     """The counted runs' clocks at their last validation, in seconds (the speedrun's time of a record's run)."""
     return [log["val"][-1]["time_ms"] / 1000 for log in group["logs"] if log["excluded"] is None
-            and not RE_DIVERGED.match(log.get("stopped") or "")]  # a diverged run: no time to target
+            and not diverged(log)]  # a diverged run: no time to target
 
 
 def decide(finals, target, reference=None):
@@ -611,14 +615,20 @@ def schedule_crossing(groups, target):
                 below_shortest=False)
 
 
+def curve_table(group):
+    """(steps every counted run validated at, [each run's losses at those steps])."""
+    curves = [{v["step"]: v["loss"] for v in log["val"]} for log in group["logs"] if log["excluded"] is None]
+    common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    return common, [[c[step] for step in common] for c in curves]
+
+
 def curve_crossing(group, target):
     """A single schedule: the first step at which the group's mean validation curve meets the target, interpolated
     between validations; the spread over the runs' own crossings."""
-    curves = [{v["step"]: v["loss"] for v in log["val"]} for log in group["logs"] if log["excluded"] is None]
+    common, curves = curve_table(group)
     if not curves:
         return dict(steps=None, sd=None, n_seeds=0)
-    common = sorted(set.intersection(*(set(c) for c in curves)))
-    points = [(s, sum(c[s] for c in curves) / len(curves)) for s in common]
+    points = [(s, sum(c[i] for c in curves) / len(curves)) for i, s in enumerate(common)]
     at, _ = interpolate_crossing([(s, x) for s, x in points if math.isfinite(x)], target)
     own = [target_crossing(log["val"], target) for log in group["logs"] if log["excluded"] is None]
     own = [c["interp_step"] for c in own if c]
@@ -627,10 +637,10 @@ def curve_crossing(group, target):
     return dict(steps=at, sd=mean_std(own)[1], n_seeds=len(own))
 
 
-BOOTSTRAP_DRAWS = 2000
+DRAWS = 2000  # draws of the simulated and resampled intervals
 
 
-def bootstrap_crossing(members, reference, fixed_target, draws=BOOTSTRAP_DRAWS, seed=0):
+def crossing_interval(members, reference, fixed_target, draws=DRAWS, seed=0):
     """The 95% interval of a series' crossing, by simulation: each draw takes every group's mean final loss (and
     the target's group's: the target's own error counts) from its t distribution, mean + sd / sqrt(n) x T(n - 1),
     the groups independently, and finds the crossing again (between schedules; for one schedule on the mean
@@ -657,11 +667,10 @@ def bootstrap_crossing(members, reference, fixed_target, draws=BOOTSTRAP_DRAWS, 
         steps = [m for m, _ in groups]
         mean, se, df = (np.array([x[i] for _, x in groups]) for i in range(3))
     else:
-        curves = [{v["step"]: v["loss"] for v in log["val"]} for log in members[0]["logs"] if log["excluded"] is None]
+        steps, curves = curve_table(members[0])
         if len(curves) < 2:
             return None
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        table = np.array([[c[step] for step in steps] for c in curves])
+        table = np.array(curves)
         mean, se, df = table.mean(axis=0), table.std(axis=0, ddof=1) / math.sqrt(len(curves)), len(curves) - 1
     out, below = [], 0
     for _ in range(draws):
@@ -676,7 +685,7 @@ def bootstrap_crossing(members, reference, fixed_target, draws=BOOTSTRAP_DRAWS, 
                 draws=draws, never=sum(not math.isfinite(x) for x in out) / draws)
 
 
-def median_ratio_interval(mode_ms, vanilla_ms, draws=BOOTSTRAP_DRAWS, seed=0):
+def median_ratio_interval(mode_ms, vanilla_ms, draws=DRAWS, seed=0):
     """The 95% interval of median(mode) / median(vanilla) over steps timed in alternation (experiments/cp_cost.py
     step_time), from a moving-block bootstrap over rounds (a round's two steps drawn together, and runs of
     neighbouring rounds, as gpu_check/interleaved.py does); None without such lists."""
@@ -795,7 +804,7 @@ def judge(logs, target=DEFAULT_TARGET, target_from=None, step_times=None, ignore
         else:
             crossing = {**mrows[0]["crossing"], "kind": "curve"}
         is_ref = ref is not None and name == ref["series_label"]
-        crossing["interval"] = None if is_ref else bootstrap_crossing(members, reference, target)
+        crossing["interval"] = None if is_ref else crossing_interval(members, reference, target)
         series.append(dict(name=name, mode=members[0]["mode"], settings=members[0]["series"],
                            schedules=[g["steps"] for g in members],
                            rule_steps=rule, longest_failing=max(failing) if failing else None, crossing=crossing,

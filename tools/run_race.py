@@ -163,6 +163,15 @@ def same_settings(log_path, argv, tg):
     return all(logged.get(k) == v for k, v in planned.items() if k not in skip)
 
 
+def judged_diverged(log_path):
+    """Whether the judge reads the log as a run that diverged (its own definition, tools/compare.py's)."""
+    import compare  # beside this file; its needs were checked before the race started
+    try:
+        return compare.diverged(compare.parse_log(log_path))
+    except compare.LogError:  # no log, or no validation in it
+        return False
+
+
 def clock_starts(marks):
     """train_gpt_cplm.main's hook just before a run's clock starts: the warm-up (and compile) is over."""
     marks["clock"] = time.time()
@@ -235,10 +244,9 @@ def worker(spec_path):
                 later_warmup = marks["clock"] - t0
         result = final_line(log_path)
         if rc != 0 or result is None:
-            diverged = re.search(r"^stopped: (val|train)_loss is (nan|inf)", open(log_path, errors="replace").read(),
-                                 re.M) if os.path.exists(log_path) else None
             report(f"{mode}: {run_id} " + ("diverged (a non-finite loss): the judge counts it, and its group fails"
-                                           if diverged else f"ended with exit {rc} and no final line: not counted"))
+                                           if judged_diverged(log_path) else
+                                           f"ended with exit {rc} and no final line: not counted"))
             continue
         val, peak = result
         warm = f", warm-up {marks['clock'] - t0:.0f}s" if "clock" in marks else ""
@@ -310,30 +318,33 @@ def the_card():
         return torch.cuda.get_device_properties(0).total_memory / 2 ** 30, True
 
 
-def choose_data(kind, given):
-    """(train, val, what) for the race (given: --train_files / --val_files from after --), or raises ValueError
-    saying how to get data."""
+def choose_data(kind, given, preset_files):
+    """(flags, what) for the race's data: --train_files / --val_files given after --; else the preset's own files
+    where they are (no flags: FineWeb's first shard for gpu1, the standard library's source for cpu, tokenized here
+    if missing); else, on a GPU, the offline stand-in. ValueError saying how to get data otherwise."""
     if "--train_files" in given or "--val_files" in given:
         if len(given) < 2:
             raise ValueError("give both --train_files and --val_files after --, or neither")
-        return given["--train_files"], given["--val_files"], "the files given"
+        return ["--train_files", given["--train_files"], "--val_files", given["--val_files"]], "the files given"
     have = lambda pattern: bool(glob.glob(os.path.join(ROOT, pattern)))  # noqa: E731
-    if kind == "cpu" or kind == "dry":
-        if not (have(PYSTDLIB[0]) and have(PYSTDLIB[1])):  # GPT-2 tokens: tiktoken fetches its files once
-            made = subprocess.run([sys.executable, "data/tokenize_corpus.py", "--stdlib", "--out_dir", "data/pystdlib",
-                                   "--name", "pystdlib"], cwd=ROOT)
-            if made.returncode != 0:
-                raise ValueError("the standard library's source could not be tokenized (above: why); give data with "
-                                 "-- --train_files GLOB --val_files GLOB")
-        return PYSTDLIB[0], PYSTDLIB[1], "the Python standard library's source (GPT-2 tokens; code, copy-heavy)"
-    if have(FINEWEB[0]) and have(FINEWEB[1]):
-        return FINEWEB[0], FINEWEB[1], "FineWeb (its first train shard, its val shard)"
-    if have(STAND_IN[0]) and have(STAND_IN[1]):
-        return STAND_IN[0], STAND_IN[1], ("the stand-in for FineWeb: English prose in GPT-2 tokens (data/prose_gpt2; "
-                                          "a gpu1 run reads 0.78 of its 21M train tokens)")
-    raise ValueError("no data: python data/cached_fineweb10B.py 1 (FineWeb's first shard and val, needs internet), "
-                     "or offline: bash data/build_prose_corpus.sh && python3 gpu_check/prepare_gpu_data.py --out_dir "
-                     "data/prose_gpt2 --name prose_gpt2 --train_tokens 0 --val_tokens 0")
+    what = {FINEWEB: "FineWeb (its first train shard, its val shard)",
+            PYSTDLIB: "the Python standard library's source (GPT-2 tokens; code, copy-heavy)"}
+    if preset_files == PYSTDLIB and not (have(PYSTDLIB[0]) and have(PYSTDLIB[1])):  # tiktoken fetches its files once
+        made = subprocess.run([sys.executable, "data/tokenize_corpus.py", "--stdlib", "--out_dir", "data/pystdlib",
+                               "--name", "pystdlib"], cwd=ROOT)
+        if made.returncode != 0:
+            raise ValueError("the standard library's source could not be tokenized (above: why); give data with "
+                             "-- --train_files GLOB --val_files GLOB")
+    if have(preset_files[0]) and have(preset_files[1]):
+        return [], what.get(preset_files, " and ".join(preset_files))
+    if kind == "gpu" and have(STAND_IN[0]) and have(STAND_IN[1]):
+        return ["--train_files", STAND_IN[0], "--val_files", STAND_IN[1]], (
+            "the stand-in for FineWeb: English prose in GPT-2 tokens (data/prose_gpt2; a gpu1 run reads 0.78 of its "
+            "21M train tokens)")
+    raise ValueError(f"no data at {preset_files[0]}: python data/cached_fineweb10B.py 1 (FineWeb's first shard and "
+                     "val, needs internet), or offline: bash data/build_prose_corpus.sh && python3 "
+                     "gpu_check/prepare_gpu_data.py --out_dir data/prose_gpt2 --name prose_gpt2 --train_tokens 0 "
+                     "--val_tokens 0")
 
 
 def step_time_phase(s, kind, args, data_flags, extra, out, report, end_s):
@@ -440,12 +451,10 @@ def drive(args, extra):
     sys.path.insert(0, ROOT)
     import train_gpt_cplm as tg
     try:  # every flag checked before anything is made or started
-        tg.parse_args(["--preset", s["preset"], *s["flags"], *extra])
+        hp = tg.parse_args(["--preset", s["preset"], *s["flags"], *extra])
     except tg.UsageError as e:
         raise ValueError(f"after --: {e}") from None
-    train_files, val_files, data_what = choose_data(kind, given)
-    data_flags = [] if (train_files, val_files) == FINEWEB and kind == "gpu" else \
-        ["--train_files", train_files, "--val_files", val_files]
+    data_flags, data_what = choose_data(kind, given, (hp.train_files, hp.val_files))
     hp = tg.parse_args(["--preset", s["preset"], *s["flags"], *data_flags, *extra])
     n_steps = hp.num_iterations
     s = dict(s, model={k: getattr(hp, k) for k in MODEL_KEYS})  # what the step times are measured on
@@ -581,7 +590,7 @@ def simulate(card, slow=1.0):
             if len(state) >= slots or (mode != "vanilla" and any(m != "vanilla" and st["phase"] == "compile"
                                                                  for m, st in state.items())):
                 break
-            state[mode] = dict(phase="compile", left=A["compile_s"][mode] * slow, run=0, per_step=None, started=t)
+            state[mode] = dict(phase="compile", left=A["compile_s"][mode] * slow, run=0, per_step=None)
             pending.remove(mode)
             lines.append(f"  {t:5.0f}s  {mode}: started, compiling")
         on_gpu = [m for m, st in state.items() if st["phase"] == "gpu"]
