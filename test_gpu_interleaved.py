@@ -1,12 +1,16 @@
 """The interleaved A/B's arithmetic (gpu_check/interleaved.py): the ratio's interval from a moving-block bootstrap
-over rounds, and the profile's reduction to a table. The A/B itself runs in the GPU check's dry run
+over rounds, the per-phase table, the third model (vanilla through CPLM's loss), the flag checks, and the profile's
+reduction to a table. The A/B itself runs in the GPU check's dry run
 (test_gpu_preflight.py)."""
 import os
+import re
+import subprocess
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check"))
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "gpu_check"))
 import interleaved  # noqa: E402
 
 
@@ -85,3 +89,63 @@ def test_the_profile_reduction_takes_nesting_apart_and_finds_what_only_cplm_runs
     assert "  kernels only vanilla runs: 0, 0.000 ms a step" in text
     assert "  kernels both run: 3, vanilla 0.700 ms, cplm 0.700 ms a step, difference +0.000 ms" in text
     assert lines[3] == "  | kernel | vanilla ms | cplm ms | cplm - vanilla |"
+
+
+def test_the_phase_table_gives_each_phase_its_difference_and_splits_cplms_extra():
+    """phase_lines on made-up rounds: forward, backward and optimizer summed into the step, each mode minus vanilla
+    with an interval that covers the true difference, and CPLM's extra split into the loss's form (cplm_loss -
+    vanilla) and the CP head's part (cplm - cplm_loss), the two adding up to the whole."""
+    rng = np.random.default_rng(0)
+    R = 200
+    base = {"forward": 10.0, "backward": 20.0, "optimizer": 5.0}
+    extra = {"vanilla": {}, "cplm_loss": {"forward": 0.5}, "cplm": {"forward": 1.0, "backward": 1.5}}
+    phases = {m: {ph: [(base[ph] + e.get(ph, 0) + rng.normal(0, 0.2), 1.0) for _ in range(R)] for ph in base}
+              for m, e in extra.items()}
+    lines = interleaved.phase_lines(["vanilla", "cplm_loss", "cplm"], phases, interleaved.torch.device("cpu"))
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("  | ") and "phase" not in line}
+    assert list(rows) == ["forward", "backward", "optimizer", "step"]
+
+    def diff(cell):  # "+2.50 [+2.43, +2.57]" -> (2.5, 2.43, 2.57)
+        return tuple(float(x) for x in re.findall(r"[+-]\d+\.\d+", cell))
+
+    cells = {ph: [c.strip() for c in row.split("|")[2:-1]] for ph, row in rows.items()}
+    for ph, true in [("forward", 1.0), ("backward", 1.5), ("optimizer", 0.0), ("step", 2.5)]:
+        d, lo, hi = diff(cells[ph][4])  # cplm - vanilla
+        assert lo <= true <= hi and hi - lo < 0.5, (ph, cells[ph])
+    assert abs(float(cells["step"][0]) - 35.0) < 0.1  # the step is the phases' sum
+    split = next(line for line in lines if "CPLM's extra" in line)
+    whole, loss_part, head_part = (diff(x)[0] for x in re.findall(r"[+-]\d+\.\d+ \[[^]]*\]", split))
+    assert abs(whole - (loss_part + head_part)) < 0.011 and abs(loss_part - 0.5) < 0.1, split
+
+
+def test_cplm_loss_mode_trains_on_vanillas_loss_value_and_gradients():
+    """The third model of the A/B (cplm_loss) computes vanilla's loss through CPLM's head terms: the same value and
+    gradients as vanilla's model (same seed), through the eager CPU head and through the form written for inductor."""
+    tg = interleaved.tg
+    a = tg.dataclasses.replace(tg.parse_args(["--preset", "cpu", "--num_layers", "2", "--model_dim", "32",
+                                             "--num_heads", "2", "--vocab_size", "300", "--seq_len", "128",
+                                             "--batch_size", "128"]), bos_id=299)
+    x = interleaved.torch.randint(1, 300, (1, 128))
+    y = interleaved.torch.randint(1, 300, (1, 128))
+    for inductor_form in (False, True):
+        losses, grads = [], []
+        for cls in (tg.GPT, interleaved.VanillaThroughCPLMLoss):
+            interleaved.torch.manual_seed(0)
+            model = cls(tg.GPTConfig.from_args(a))
+            if inductor_form:
+                model.head_loss = tg.HeadLoss(a.logit_softcap, model.config.copy_id)
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+            grads.append(interleaved.torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        assert abs(losses[0] - losses[1]) < 1e-5, losses
+        assert interleaved.torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_bad_timing_flags_are_refused_in_one_line_before_any_model_is_built():
+    for flags in (["--rounds_s", "nan"], ["--end_in_s", "nan"], ["--end_in_s", "-1"], ["--profile_steps", "-2"],
+                  ["--profile_reserve_s", "inf"], ["--modes", "vanilla,cplm_loss,vanilla"]):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "gpu_check", "interleaved.py"), *flags],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr and "error: --" in out.stderr.strip().splitlines()[-1], (flags, out.stderr)

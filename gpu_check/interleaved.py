@@ -2,9 +2,15 @@
 train_gpt_cplm.train builds them, their training steps then alternated on the same batches, each step timed (CUDA
 events on a GPU, the wall clock on a CPU). No process-to-process offset enters the ratio, and a drift of the card's
 speed meets both modes alike; its 95% interval comes from a moving-block bootstrap over rounds, so the steps'
-autocorrelation is kept. Then a profile of a few steps of each mode (torch.profiler), reduced to a small table.
+autocorrelation is kept. Each step is split into forward, backward and optimizer by events between them (the GPU's
+time per phase, and the host's time issuing it: a phase the host cannot issue as fast as the GPU runs it is
+host-bound), each mode's difference to the baseline with the same interval. Then a profile of a few steps of each
+mode (torch.profiler), reduced to a small table.
 
-    python3 gpu_check/interleaved.py --modes vanilla,cplm --rounds_s 90 --end_in_s 400 -- <train_gpt_cplm flags>
+    python3 gpu_check/interleaved.py --modes vanilla,cplm_loss,cplm --rounds_s 90 --end_in_s 400 -- <train_gpt_cplm flags>
+
+Mode cplm_loss is vanilla trained through CPLM's form of the LM head's loss with no CP head: with it, CPLM's extra
+time splits into the loss's part and the CP head's (its two sums and the mixture included).
 
 The first mode is the baseline: each other mode's ratio is to it. The rounds sample the flags' schedule
 (--num_iterations, the record's 1770 by default) evenly: round r trains at step r x num_iterations / R, so the
@@ -31,7 +37,21 @@ import torch.nn as nn  # noqa: E402
 import train_gpt_cplm as tg  # noqa: E402
 from gpu_turn import limit_gpu_memory, take_turn  # noqa: E402
 
-MODES = {"vanilla": dict(cplm=0), "cplm": dict(cplm=1, copy_gate="lm"), "sentinel": dict(cplm=1, copy_gate="sentinel")}
+MODES = {"vanilla": dict(cplm=0), "cplm_loss": dict(cplm=0), "cplm": dict(cplm=1, copy_gate="lm"),
+         "sentinel": dict(cplm=1, copy_gate="sentinel")}
+PHASES = ("forward", "backward", "optimizer")
+
+
+class VanillaThroughCPLMLoss(tg.GPT):
+    """Mode cplm_loss: vanilla's model and vanilla's loss value, computed as CPLM computes the LM head's part of its
+    loss (HeadLoss.terms: the log-sum-exp without <copy>, the <copy> logit, the target's; logaddexp of the first two
+    minus the third is vanilla's cross-entropy), with no CP head. CPLM's extra time then splits in two measured
+    parts: cplm_loss - vanilla (the loss's form) and cplm - cplm_loss (the CP head, its sums, the mixture)."""
+
+    def forward(self, input_ids, target_ids, window_blocks=None):
+        h, _ = self.hidden_states(input_ids, window_blocks)
+        lse_without_copy, z_copy, z_y = self.head_loss.terms(self.lm_head, h, target_ids)  # as GPT.forward's CPLM
+        return (torch.logaddexp(lse_without_copy, z_copy) - z_y).mean()
 
 
 def report(line):
@@ -43,13 +63,14 @@ class Mode:
     written for inductor when compiled, bf16 embeddings on CUDA, the FP8 gradient scale under accumulation, the
     record's optimizers) and its training step as train's train_step, at world size 1."""
 
-    def __init__(self, a, device):
+    def __init__(self, name, a, device):
         self.a, self.device = a, device
         fp8_head = tg.use_fp8_head(a.fp8_head, device)
         compile_model = a.compile == 1 or (a.compile == -1 and device.type == "cuda")
         self.grad_accum = a.batch_size // a.seq_len
         torch.manual_seed(a.seed)
-        model = tg.GPT(tg.GPTConfig.from_args(a, fp8_head=int(fp8_head))).to(device)
+        model_class = VanillaThroughCPLMLoss if name == "cplm_loss" else tg.GPT
+        model = model_class(tg.GPTConfig.from_args(a, fp8_head=int(fp8_head))).to(device)
         if compile_model:
             model.head_loss = tg.HeadLoss(a.logit_softcap, model.config.copy_id)
         if device.type == "cuda":
@@ -65,8 +86,11 @@ class Mode:
         self.model, self.compiled = model, (torch.compile(model, dynamic=False) if compile_model else model)
         self.windows = {}
 
-    def step(self, step, batch):
-        """One optimizer step on batch ([(inputs, targets)] micro-steps); returns the loss, not read (no sync)."""
+    def step(self, step, batch, clock=None):
+        """One optimizer step on batch ([(inputs, targets)] micro-steps); returns the loss, not read (no sync).
+        clock: a PhaseClock, marked at the step's start and at the end of each forward, backward and the optimizer."""
+        mark = clock.mark if clock is not None else (lambda phase: None)
+        mark("start")
         a = self.a
         w = tg.window_blocks(step, a)
         if w not in self.windows:
@@ -74,7 +98,9 @@ class Mode:
         loss_sum = torch.zeros((), device=self.device)
         for inputs, targets in batch:
             loss = self.compiled(inputs, targets, self.windows[w]) / self.grad_accum
+            mark("forward")
             loss.backward()
+            mark("backward")
             loss_sum += loss.detach()
         pending = tg.reduce_gradients(self.reduce_order, 1)
         for opt in (self.adam, self.muon):
@@ -86,7 +112,38 @@ class Mode:
         self.muon.step(wait_for_gradient=pending.wait)
         self.adam.step()
         self.model.zero_grad(set_to_none=True)
+        mark("optimizer")
         return loss_sum
+
+
+class PhaseClock:
+    """Marks in one step: a CUDA event on the GPU's timeline (no sync) and the host's clock at each. After a sync,
+    gpu_ms and host_ms give each phase's time, summed over micro-steps: on the GPU, what the stream spent between
+    the marks (waiting for the host included); on the host, what issuing the phase took (Python, launches). On a
+    CPU both are the wall clock."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = []  # (phase that ends here, host seconds, CUDA event or None)
+
+    def mark(self, phase):
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.marks.append((phase, time.perf_counter(), event))
+
+    def total_ms(self):
+        (_, t0, e0), (_, t1, e1) = self.marks[0], self.marks[-1]
+        return e0.elapsed_time(e1) if self.cuda else 1000 * (t1 - t0)
+
+    def phase_ms(self):
+        """{phase: (GPU ms, host ms)} for PHASES."""
+        out = {phase: [0.0, 0.0] for phase in PHASES}
+        for (_, t0, e0), (phase, t1, e1) in zip(self.marks, self.marks[1:]):
+            out[phase][0] += e0.elapsed_time(e1) if self.cuda else 1000 * (t1 - t0)
+            out[phase][1] += 1000 * (t1 - t0)
+        return {phase: tuple(v) for phase, v in out.items()}
 
 
 def synchronize(device):
@@ -95,24 +152,15 @@ def synchronize(device):
 
 
 def timed_round(modes, order, step, batch, device):
-    """Each mode's step on the same batch, in this order, with no host sync between them: {mode: (ms, loss)}.
-    CUDA events time each step on the GPU's own timeline (what it spent on the step, host-bound gaps included)."""
-    marks = {}
+    """Each mode's step on the same batch, in this order, with no host sync between them: {mode: (ms, loss,
+    {phase: (GPU ms, host ms)})}. CUDA events time each step on the GPU's own timeline (what it spent on the step,
+    host-bound gaps included)."""
+    clocks, losses = {}, {}
     for name in order:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = modes[name].step(step, batch)
-            end.record()
-            marks[name] = (start, end, loss)
-        else:
-            t0 = time.perf_counter()
-            loss = modes[name].step(step, batch)
-            marks[name] = (t0, time.perf_counter(), loss)
+        clocks[name] = PhaseClock(device)
+        losses[name] = modes[name].step(step, batch, clocks[name])
     synchronize(device)
-    if device.type == "cuda":
-        return {name: (start.elapsed_time(end), loss) for name, (start, end, loss) in marks.items()}
-    return {name: (1000 * (t1 - t0), loss) for name, (t0, t1, loss) in marks.items()}
+    return {name: (clock.total_ms(), losses[name], clock.phase_ms()) for name, clock in clocks.items()}
 
 
 def block_length(rounds):
@@ -121,18 +169,29 @@ def block_length(rounds):
     return max(1, math.ceil(math.sqrt(rounds)))
 
 
-def block_bootstrap_ratio(num, den, block, resamples=2000, seed=0):
-    """The 95% interval of sum(num) / sum(den) from a moving-block bootstrap over rounds: runs of `block`
-    consecutive rounds drawn with replacement until R rounds are drawn (a round's steps stay together, and so does
-    the autocorrelation inside a block); the 2.5th and 97.5th percentiles of the resampled ratios."""
-    num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
-    n = len(num)
+def block_resamples(n, block, resamples=2000, seed=0):
+    """(resamples, n) indices of a moving-block bootstrap over n rounds: runs of `block` consecutive rounds drawn
+    with replacement until n are drawn (a round's steps stay together, and so does the autocorrelation inside a
+    block)."""
     block = min(block, n)
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, n - block + 1, size=(resamples, math.ceil(n / block)))
-    index = (starts[:, :, None] + np.arange(block)).reshape(resamples, -1)[:, :n]
-    ratios = num[index].sum(1) / den[index].sum(1)
-    return tuple(np.percentile(ratios, [2.5, 97.5]))
+    return (starts[:, :, None] + np.arange(block)).reshape(resamples, -1)[:, :n]
+
+
+def block_bootstrap_ratio(num, den, block, resamples=2000, seed=0):
+    """The 95% interval of sum(num) / sum(den) from a moving-block bootstrap over rounds: the 2.5th and 97.5th
+    percentiles of the resampled ratios."""
+    num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    index = block_resamples(len(num), block, resamples, seed)
+    return tuple(np.percentile(num[index].sum(1) / den[index].sum(1), [2.5, 97.5]))
+
+
+def block_bootstrap_difference(x, y, block, resamples=2000, seed=0):
+    """The 95% interval of mean(x) - mean(y), x and y measured in the same rounds, by the same bootstrap."""
+    d = np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64)
+    index = block_resamples(len(d), block, resamples, seed)
+    return tuple(np.percentile(d[index].mean(1), [2.5, 97.5]))
 
 
 def lag1_autocorrelation(x):
@@ -155,6 +214,42 @@ def ratio_lines(base, mode, times, losses, steps_sampled, device):
             f"autocorrelation of the steps: {base} {lag1_autocorrelation(den):.2f}, {mode} "
             f"{lag1_autocorrelation(num):.2f}; train loss at the first and last round: {base} "
             f"{losses[base][0]:.3f} -> {losses[base][-1]:.3f}, {mode} {losses[mode][0]:.3f} -> {losses[mode][-1]:.3f}"]
+
+
+def phase_lines(names, phases, device):
+    """The per-phase table: each mode's forward, backward, optimizer and whole step in ms (means over rounds, the
+    GPU's timeline; the host's issue time in parentheses, "host-bound" where issuing took 90% of the GPU's time or
+    more), each mode minus the baseline with its 95% interval; and, with cplm_loss and cplm both measured, CPLM's
+    extra split into the loss's form and the CP head's part. phases: {mode: {phase: [(GPU ms, host ms)] a round}}."""
+    base, others = names[0], names[1:]
+    R = len(phases[base][PHASES[0]])
+    block = block_length(R)
+    gpu = {n: {ph: np.array([g for g, _ in phases[n][ph]]) for ph in PHASES} for n in names}
+    host = {n: {ph: np.array([h for _, h in phases[n][ph]]) for ph in PHASES} for n in names}
+    for n in names:
+        gpu[n]["step"], host[n]["step"] = sum(gpu[n][ph] for ph in PHASES), sum(host[n][ph] for ph in PHASES)
+
+    def cell(n, ph):
+        g, h = gpu[n][ph].mean(), host[n][ph].mean()
+        return f"{g:.2f} ({h:.2f}{', host-bound' if h >= 0.9 * g else ''})" if device.type == "cuda" else f"{g:.2f}"
+
+    def diff(x, y, ph):
+        lo, hi = block_bootstrap_difference(gpu[x][ph], gpu[y][ph], block)
+        return f"{gpu[x][ph].mean() - gpu[y][ph].mean():+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+    clock = "on the GPU's timeline; the host's issue time in parentheses" if device.type == "cuda" else \
+        "the wall clock (CPU)"
+    lines = [f"phases, ms a step (means over {R} rounds, {clock}); "
+             f"each mode - {base} with its 95% interval (moving-block bootstrap, blocks of {block}):",
+             "  | phase | " + " | ".join(names) + " | " + " | ".join(f"{n} - {base}" for n in others) + " |"]
+    for ph in PHASES + ("step",):
+        lines.append(f"  | {ph} | " + " | ".join(cell(n, ph) for n in names) + " | "
+                     + " | ".join(diff(n, base, ph) for n in others) + " |")
+    if base == "vanilla" and {"cplm_loss", "cplm"} <= set(names):
+        lines.append(f"  CPLM's extra a step, {diff('cplm', 'vanilla', 'step')} ms: the LM head's loss in CPLM's form "
+                     f"(cplm_loss - vanilla) {diff('cplm_loss', 'vanilla', 'step')}, the CP head, its two sums and "
+                     f"the mixture (cplm - cplm_loss) {diff('cplm', 'cplm_loss', 'step')}")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,7 +382,8 @@ def device_for_run():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="vanilla,cplm", help="the baseline first; vanilla, cplm, sentinel")
+    p.add_argument("--modes", default="vanilla,cplm", help="the baseline first; vanilla, cplm_loss (vanilla's loss in "
+                   "CPLM's form, no CP head), cplm, sentinel")
     p.add_argument("--rounds_s", type=float, default=90, help="time for the timed rounds (after warm-up)")
     p.add_argument("--min_rounds", type=int, default=200, help="fewer only where --end_in_s leaves no time")
     p.add_argument("--end_in_s", type=float, default=1e9, help="everything done by then (the profile included)")
@@ -295,6 +391,13 @@ def main(argv=None):
     p.add_argument("--profile_reserve_s", type=float, default=30, help="kept for the profile after the rounds")
     p.add_argument("train_flags", nargs="*", help="train_gpt_cplm's flags, after --")
     args = p.parse_args(argv)
+    for flag in ("rounds_s", "end_in_s", "profile_reserve_s"):
+        value = getattr(args, flag)
+        if not math.isfinite(value) or value < 0 or (value == 0 and flag != "profile_reserve_s"):
+            p.error(f"--{flag}: a finite number of seconds, {'0 or more' if flag == 'profile_reserve_s' else 'above 0'}"
+                    f" (got {value})")
+    if args.profile_steps < 0 or args.min_rounds < 1:
+        p.error("--profile_steps: 0 or more; --min_rounds: 1 or more")
     started = time.monotonic()
     end = started + args.end_in_s
     names = args.modes.split(",")
@@ -311,7 +414,7 @@ def main(argv=None):
     # (first_call.py's) is then the likelier to have filled the compile cache by the time the baseline compiles
     for name in names[1:] + names[:1]:
         t0 = time.monotonic()
-        modes[name] = Mode(tg.dataclasses.replace(a, **MODES[name]), device)
+        modes[name] = Mode(name, tg.dataclasses.replace(a, **MODES[name]), device)
         for step in range(max(a.warmup_steps, 1)):  # compiles; Newton-Schulz and the FP8 head recompile once
             modes[name].step(step, loader.next_batch(device))
         synchronize(device)
@@ -333,14 +436,17 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses, steps_sampled = {n: [] for n in names}, {n: [] for n in names}, []
+    phases = {n: {ph: [] for ph in PHASES} for n in names}
     for r in range(R):
         if r and time.monotonic() > end - reserve:  # the estimate was off: stop at the time, not the count
             break
         step = r * a.num_iterations // R
         result = timed_round(modes, order if r % 2 == 0 else order[::-1], step, loader.next_batch(device), device)
         steps_sampled.append(step)
-        for n, (ms, loss) in result.items():
+        for n, (ms, loss, by_phase) in result.items():
             times[n].append(ms)
+            for ph in PHASES:
+                phases[n][ph].append(by_phase[ph])
             if r == 0 or r == R - 1:
                 losses[n].append(loss.item())
     if len(losses[names[0]]) < 2:  # stopped early: the last round's losses
@@ -350,6 +456,8 @@ def main(argv=None):
     for name in names[1:]:
         for line in ratio_lines(names[0], name, times, losses, steps_sampled, device):
             report(line)
+    for line in phase_lines(names, phases, device):
+        report(line)
     if device.type == "cuda":
         report(f"  peak memory allocated over the rounds, both models resident: "
                f"{torch.cuda.max_memory_allocated() // 2 ** 20} MiB")
