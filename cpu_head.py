@@ -12,7 +12,15 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from train_gpt_cplm import HeadLoss, soft_cap, vanilla_nll
+
+# train_gpt_cplm.py's soft_cap and vanilla_nll, the record's formulas, restated so that this file imports nothing
+# from the script that imports it (test_cplm.py checks the two pairs agree bit for bit)
+def soft_cap(u, cap):
+    return 2 * cap * torch.sigmoid(u.float() / (cap / 2)) if cap > 0 else u.float()
+
+
+def vanilla_nll(head_out, target_ids, softcap, reduction="mean"):
+    return F.cross_entropy(soft_cap(head_out, softcap).flatten(0, -2), target_ids.flatten(), reduction=reduction)
 
 
 class VanillaLossCPU(torch.autograd.Function):
@@ -125,15 +133,18 @@ class LMHeadTermsCPU(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None, None
 
 
-class EagerCPUHeadLoss(HeadLoss):
-    """The same quantities for eager CPU runs, which fuse nothing: in chunks of rows (VanillaLossCPU,
+class EagerCPUHeadLoss:
+    """train_gpt_cplm.HeadLoss's quantities for eager CPU runs, which fuse nothing: in chunks of rows (VanillaLossCPU,
     LMHeadTermsCPU). Without gradients (validation) the head runs 1024 positions at a time: its (T, V) tensors
     then fit the holes that training's leave in the heap (use_heap_for_large_tensors), so validation adds
     nothing to the peak."""
 
+    def __init__(self, softcap, copy_id):
+        self.softcap, self.copy_id = softcap, copy_id
+
     def vanilla_mean(self, lm_head, h, target_ids):
         if lm_head.out_features <= 4096:  # VanillaLossCPU is the record's bits only above (and small tensors)
-            return super().vanilla_mean(lm_head, h, target_ids)
+            return vanilla_nll(lm_head(h), target_ids, self.softcap)
         return VanillaLossCPU.apply(lm_head(h), target_ids, self.softcap)
 
     def vanilla_token_nll(self, lm_head, h, target_ids):

@@ -765,9 +765,7 @@ class HeadLoss:
 
 def import_cpu_head():
     """cpu_head.py: HeadLoss's quantities for eager CPU runs (rows in chunks, their own backward) and the heap
-    setting, the CPU evidence's code, imported on a CPU only. Run as a script, this file is the train_gpt_cplm
-    that cpu_head imports."""
-    sys.modules.setdefault("train_gpt_cplm", sys.modules[__name__])
+    setting, the CPU evidence's code, imported on a CPU only (it imports nothing from this file)."""
     import cpu_head
     return cpu_head
 
