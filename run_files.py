@@ -613,8 +613,9 @@ def check_args(a, given=()):
          and a.compile in (-1, 0, 1),
          "--cp_stop_grad, --save_checkpoint, --overwrite and --coordinate_descent must be 0 or 1, --compile -1, 0 or 1")
     lrs = {f: getattr(a, f) for f in LR_FIELDS}
-    need(all(0 <= v < math.inf for v in lrs.values()), "learning rates must be finite and >= 0: " + ", ".join(
-        f"--{k} {v}" for k, v in lrs.items() if not 0 <= v < math.inf))
+    # at most 1e6: Adam's first step moves by lr / (1 - beta1), which above ~1e37 no longer fits a float32
+    need(all(0 <= v <= 1e6 for v in lrs.values()), "learning rates must lie in [0, 1e6]: " + ", ".join(
+        f"--{k} {v}" for k, v in lrs.items() if not 0 <= v <= 1e6))
     need(0 <= a.muon_momentum < 1, "--muon_momentum must lie in [0, 1)")
     need(a.muon_momentum_warmup_steps >= 0, "--muon_momentum_warmup_steps must be >= 0")
     need(0 <= a.seed < 2 ** 63 and -1 <= a.data_seed < 2 ** 63,

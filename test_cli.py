@@ -67,6 +67,7 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     (["--run_id", "a/b"], "must be a plain name"),
     (["--lr_head", "-0.1"], "--lr_head -0.1"),
     (["--lr_muon", "inf"], "--lr_muon inf"),
+    (["--lr_embed", "1e38"], "learning rates must lie in [0, 1e6]: --lr_embed 1e+38"),
     (["--cp_stop_grad", "7"], "must be 0 or 1"),
     (["--val_loss_every", "-5"], "--val_loss_every -5"),
     (["--checkpoint_every", "-1"], "--checkpoint_every -1"),
@@ -497,8 +498,9 @@ def test_a_stuck_rank_ends_the_job(toy_data, tmp_path):
 
 
 def test_nan_loss_stops_with_a_message(toy_data, tmp_path):
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="nan", lr_scalar="1e30", lr_muon="1e30",
-                           num_iterations=20, val_loss_every=0))
+    # the largest learning rates the checks let through, with no soft-cap on the logits: nan at step 17
+    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="nan", logit_softcap="0", lr_head="1e6", lr_scalar="1e6",
+                           lr_muon="1e6", num_iterations=20, val_loss_every=0))
     assert r.returncode == 1
     log = open(tmp_path / "nan.txt").read()
     assert re.search(r"^stopped: train_loss is nan", log, re.M)
