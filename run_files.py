@@ -351,8 +351,8 @@ def remove_stale_saves(folders, pattern="state_step*.pt.*.tmp", quiet_s=60):
                 if time.time() - os.fstat(f.fileno()).st_mtime >= quiet_s:
                     os.remove(path)
                     removed.append(path)
-        except (BlockingIOError, FileNotFoundError):  # a live writer's, or gone already
-            continue
+        except OSError:  # a live writer's (BlockingIOError), gone already, or in a folder this process cannot
+            continue  # write (a resume from a read-only run folder): left where it is
     return removed
 
 

@@ -385,3 +385,18 @@ def test_the_small_refusals_say_what_is_wrong(toy_data, tmp_path):
         tg.main(["--resume", str(logs / "run" / "state_step000002.pt"), "--run_id", "s", "--copy_gate", "sentinel"])
     with pytest.raises(tg.UsageError, match="--target_val_loss must be a finite loss"):
         tg.parse_args(tiny_flags(toy_data, logs, target_val_loss="inf"))
+
+
+def test_a_stale_save_in_a_read_only_folder_is_left_without_an_error(tmp_path, monkeypatch):
+    """A resume from a run folder on a read-only file system that holds a leftover temporary checkpoint: the file
+    cannot be removed (EROFS), so it is left and the resume goes on (it raised before)."""
+    import errno
+    stale = tmp_path / f"state_step000002.pt.{99999}@{run_files.socket.gethostname()}.tmp"
+    stale.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 3600,) * 2)
+
+    def read_only(path):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(run_files.os, "remove", read_only)
+    assert run_files.remove_stale_saves([str(tmp_path)]) == [] and stale.exists()
