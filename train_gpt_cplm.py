@@ -1245,4 +1245,6 @@ if __name__ == "__main__":
         said = "stopped by Ctrl-C (its log says so)" if code == 130 else f"error: {e}{' (see --help)' * (code == 2)}"
         if not said_by_rank_0 or code == 130:
             print(f"{os.path.basename(sys.argv[0])}: {said}", file=sys.stderr)
+        else:  # wait for rank 0's line (torchrun then ends this rank): a rank exiting first had torchrun kill
+            time.sleep(60)  # rank 0 before it said why
         sys.exit(code)
