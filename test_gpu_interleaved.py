@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "gpu_check"))
@@ -149,3 +150,79 @@ def test_bad_timing_flags_are_refused_in_one_line_before_any_model_is_built():
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2, out.stderr
         assert "Traceback" not in out.stderr and "error: --" in out.stderr.strip().splitlines()[-1], (flags, out.stderr)
+
+
+def fake_kernel_node(*modules):
+    """A scheduler node as kernel_parts reads one: its FX nodes' module paths."""
+    from types import SimpleNamespace
+
+    class FXNode:  # hashable, as torch.fx.Node is
+        def __init__(self, meta):
+            self.meta = meta
+
+    fx = [FXNode({"nn_module_stack": {"0": (m, None)}} if m else {}) for m in modules]
+    inner = SimpleNamespace(node=SimpleNamespace(origins=fx))
+    return SimpleNamespace(get_nodes=lambda: [inner])
+
+
+def test_kernels_are_grouped_by_the_model_part_recorded_when_they_were_generated(tmp_path):
+    """kernel_parts: a kernel's part is what most of its FX nodes compute; a file of parts read back (a line cut by a
+    killed writer skipped, a name two graphs gave different parts marked ambiguous); a profile's kernels summed by
+    part, library calls and unrecorded generated kernels apart; the table prints the parts' differences."""
+    import json
+    import kernel_parts
+    cp, attn = "CP head and mixture", "attention"
+    assert kernel_parts.part_of_schedule([fake_kernel_node("L['self'].cp_head", "L['self'].cp_head", "")]) == cp
+    assert kernel_parts.part_of_schedule([fake_kernel_node("L['self'].blocks[0].attn", "")]) == attn
+    path = tmp_path / "parts.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in [
+        {"kernel": "triton_tem_fused_flex_attention_5", "part": cp},
+        {"kernel": "triton_tem_fused_flex_attention_2", "part": attn},
+        {"kernel": "triton_poi_fused_add_0", "part": attn}, {"kernel": "triton_poi_fused_add_0", "part": "MLP"}])
+        + '\n{"kernel": "triton_red_fu')
+    parts = kernel_parts.read_parts(str(path))
+    assert parts == {"triton_tem_fused_flex_attention_5": cp, "triton_tem_fused_flex_attention_2": attn,
+                     "triton_poi_fused_add_0": "ambiguous: MLP / attention"}
+    vanilla = [("triton_tem_fused_flex_attention_2", 0, 400, 1), ("sm90_xmma_gemm_bf16", 500, 200, 1)]
+    cplm = vanilla + [("triton_tem_fused_flex_attention_5", 800, 100, 1), ("triton_poi_fused_new_9", 950, 50, 1)]
+    profiles = {"vanilla": interleaved.reduce_profile(vanilla, 1, 1.0, parts),
+                "cplm": interleaved.reduce_profile(cplm, 1, 1.0, parts)}
+    assert profiles["cplm"]["parts"] == {attn: 0.4, kernel_parts.LIBRARY: 0.2, cp: 0.1, kernel_parts.UNKNOWN: 0.05}
+    text = "\n".join(interleaved.profile_table(profiles, "vanilla", "cplm", interleaved.torch.device("cuda"), 1))
+    assert f"  | {cp} | 0.000 | 0.100 | +0.100 |" in text and f"  | {attn} | 0.400 | 0.400 | +0.000 |" in text
+
+
+@pytest.mark.slow
+def test_inductor_records_each_generated_kernels_part_as_it_names_it(tmp_path, monkeypatch):
+    """kernel_parts.record_into on a real compile (inductor's C++ kernels on a CPU; Triton's go through the same
+    hook): the kernels of a module under `cp_head` are recorded as the CP head's, under the names inductor gave."""
+    import kernel_parts
+    from torch._inductor.codegen.cpp import CppScheduling
+    from torch._inductor.codegen.triton import TritonScheduling
+    torch = interleaved.torch
+    for scheduling in (CppScheduling, TritonScheduling):
+        monkeypatch.setattr(scheduling, "define_kernel", scheduling.define_kernel)  # put back after the test
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return ((x * self.w).sigmoid() * 3).exp()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cp_head = Gate()
+
+        def forward(self, x):
+            return self.cp_head(x).sum()
+
+    kernel_parts.record_into(str(tmp_path / "parts.jsonl"))
+    torch._dynamo.reset()
+    torch.compile(Model())(torch.randn(8, 16, requires_grad=True)).backward()
+    parts = kernel_parts.read_parts(str(tmp_path / "parts.jsonl"))
+    assert parts and all(name.startswith("cpp_") for name in parts), parts
+    assert set(parts.values()) == {"CP head and mixture"}, parts

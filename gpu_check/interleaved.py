@@ -20,6 +20,7 @@ the report start with REPORT (first_call.py copies them into report.txt as they 
 (gpu_turn.py) is taken for the rounds and the profile.
 """
 import argparse
+import collections
 import json
 import math
 import os
@@ -34,6 +35,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+import kernel_parts  # noqa: E402
 import train_gpt_cplm as tg  # noqa: E402
 from gpu_turn import limit_gpu_memory, take_turn  # noqa: E402
 
@@ -295,15 +297,17 @@ def kernel_name(name):
     return head if tail.isdigit() and head.startswith("triton") else name
 
 
-def reduce_profile(events, steps, wall_ms):
-    """{'kernels': {name: (ms a step, launches a step)}, 'busy': ms a step, 'wall': ms a step} from one mode's
-    trace of `steps` steps."""
+def reduce_profile(events, steps, wall_ms, parts=None):
+    """{'kernels': {name: (ms a step, launches a step)}, 'busy': ms a step, 'wall': ms a step, 'parts': {model part:
+    ms a step}} from one mode's trace of `steps` steps; parts: kernel_parts.read_parts's map (None: no grouping)."""
     own, busy_us = self_times(events)
-    kernels = {}
+    kernels, by_part = {}, collections.Counter()
     for name, us in own:
         ms, n = kernels.get(kernel_name(name), (0.0, 0))
         kernels[kernel_name(name)] = (ms + us / 1000 / steps, n + 1 / steps)
-    return {"kernels": kernels, "busy": busy_us / 1000 / steps, "wall": wall_ms / steps}
+        if parts is not None:
+            by_part[kernel_parts.part_of_kernel(name, parts)] += us / 1000 / steps
+    return {"kernels": kernels, "busy": busy_us / 1000 / steps, "wall": wall_ms / steps, "parts": dict(by_part)}
 
 
 def profile_table(profiles, base, mode, device, steps, top=10):
@@ -339,10 +343,17 @@ def profile_table(profiles, base, mode, device, steps, top=10):
     x, y = sum(a[k][0] for k in shared), sum(b[k][0] for k in shared)
     lines.append(f"  kernels both run: {len(shared)}, {base} {x:.3f} ms, {mode} {y:.3f} ms a step, "
                  f"difference {y - x:+.3f} ms")
+    pa, pb = profiles[base].get("parts") or {}, profiles[mode].get("parts") or {}
+    if pa or pb:
+        lines.append(f"  by model part (each kernel's part recorded when inductor generated it): | part | {base} ms "
+                     f"| {mode} ms | {mode} - {base} |")
+        for part in sorted(set(pa) | set(pb), key=lambda k: -abs(pb.get(k, 0) - pa.get(k, 0))):
+            lines.append(f"  | {part} | {pa.get(part, 0):.3f} | {pb.get(part, 0):.3f} | "
+                         f"{pb.get(part, 0) - pa.get(part, 0):+.3f} |")
     return lines
 
 
-def profile_mode(mode, step, batch, steps, device):
+def profile_mode(mode, step, batch, steps, device, parts=None):
     """`steps` steps of one mode under torch.profiler (after the rounds: warm): its reduced profile. On a GPU only
     the kernels are traced (CUPTI), so that the host is not slowed and the idle gaps are the step's own; if that
     trace holds no kernels, the host's operators are traced as well, which the result says."""
@@ -360,7 +371,7 @@ def profile_mode(mode, step, batch, steps, device):
         events = trace_events(prof, device)
         if events:
             break
-    result = reduce_profile(events, steps, wall_ms)
+    result = reduce_profile(events, steps, wall_ms, parts if device.type == "cuda" else None)
     result["host_traced"] = device.type == "cuda" and len(activities) == 2  # its idle gaps then overstated
     return result
 
@@ -389,6 +400,8 @@ def main(argv=None):
     p.add_argument("--end_in_s", type=float, default=1e9, help="everything done by then (the profile included)")
     p.add_argument("--profile_steps", type=int, default=3, help="steps a mode under the profiler (0: none)")
     p.add_argument("--profile_reserve_s", type=float, default=30, help="kept for the profile after the rounds")
+    p.add_argument("--kernel_parts", help="a file of kernels' model parts (kernel_parts.py) to append to and read: "
+                   "shared with the processes that compiled the same graphs (default: this process's own)")
     p.add_argument("train_flags", nargs="*", help="train_gpt_cplm's flags, after --")
     args = p.parse_args(argv)
     for flag in ("rounds_s", "end_in_s", "profile_reserve_s"):
@@ -409,6 +422,8 @@ def main(argv=None):
         torch._inductor.config.coordinate_descent_tuning = True  # as train(): a longer compile, faster kernels
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)  # several models, one code
     loader = tg.TrainLoader(a.train_files, a.batch_size, a.seq_len, 0, 1, a.vocab_size, a.bos_id, a.data_seed)
+    parts_file = args.kernel_parts or os.path.join(tempfile.mkdtemp(prefix="kernel_parts_"), "parts.jsonl")
+    kernel_parts.record_into(parts_file)  # every compile of this process: the warm-up's, any recompile after
     modes = {}
     # the modes other than the baseline compile first: a separate job compiling the baseline beside this process
     # (first_call.py's) is then the likelier to have filled the compile cache by the time the baseline compiles
@@ -465,10 +480,10 @@ def main(argv=None):
         try:
             batch = loader.next_batch(device)
             last = steps_sampled[-1]
-            profiles = {}
+            profiles, parts = {}, kernel_parts.read_parts(parts_file)
             for name in names:
                 modes[name].step(last, batch)  # out of the profile: the rounds' last sync behind it
-                profiles[name] = profile_mode(modes[name], last, batch, args.profile_steps, device)
+                profiles[name] = profile_mode(modes[name], last, batch, args.profile_steps, device, parts)
             for name in names[1:]:
                 for line in profile_table(profiles, names[0], name, device, args.profile_steps):
                     report(line)

@@ -1,0 +1,73 @@
+"""Which part of the model each kernel inductor generates computes (the CP head and its sums, the LM head and its
+loss, attention, the MLP, the rest), recorded when inductor names the kernel, so that a profile's kernels can be
+grouped by model part rather than by their generated names (the CP head's FlexAttention kernels and attention's share
+one name; the CP mixture's pointwise steps fuse into the LM head's reductions under names of their own).
+
+torch.profiler's ranges (record_function, NVTX) do not survive torch.compile (dynamo drops them), so the part is read
+where the kernel is written: inductor's define_kernel gets the fused nodes of each kernel, whose FX nodes carry the
+module and source lines they came from (gpu_check/roofline.py's origin_category, the roofline's own attribution).
+Each process that compiles writes {kernel name: part} lines to one file (append, a line at a time), so a process
+that takes its graphs from inductor's cache (which skips naming) reads the parts another process recorded. Library
+calls (cuBLAS matmuls, sorts) are not generated kernels: a profile lists them apart.
+"""
+import collections
+import json
+import os
+
+LIBRARY = "library calls (matmuls, sorts; by part in the roofline)"
+UNKNOWN = "generated, part not recorded"
+
+
+def part_of_schedule(nodes):
+    """The part most of a kernel's FX nodes compute (the roofline's vote, its (T, V) rule aside)."""
+    from roofline import CATEGORIES, origin_category, origins
+    votes = collections.Counter(origin_category(o) for node in nodes if hasattr(node, "get_nodes")
+                                for o in origins(node))
+    return max(CATEGORIES, key=lambda c: (votes[c], -CATEGORIES.index(c))) if votes else CATEGORIES[-1]
+
+
+def record_into(path):
+    """From now on in this process, every kernel inductor defines (Triton on a GPU, C++ on a CPU) appends
+    {"kernel", "part"} to path."""
+    from torch._inductor.codegen.cpp import CppScheduling
+    from torch._inductor.codegen.triton import TritonScheduling
+
+    def wrap(define):
+        def define_and_record(self, src_code, nodes, *args, **kwargs):
+            name = define(self, src_code, nodes, *args, **kwargs)
+            try:
+                line = json.dumps({"kernel": name, "part": part_of_schedule(nodes)})
+                with open(path, "a") as f:
+                    f.write(line + "\n")
+            except Exception:  # the attribution must never cost the compile
+                pass
+            return name
+        define_and_record.records_into = path
+        return define_and_record
+
+    for scheduling in (TritonScheduling, CppScheduling):
+        define = scheduling.define_kernel
+        scheduling.define_kernel = wrap(getattr(define, "__wrapped_define__", define))
+        scheduling.define_kernel.__wrapped_define__ = getattr(define, "__wrapped_define__", define)
+
+
+def read_parts(path):
+    """{kernel name: part}; a name recorded with two parts (two graphs can number their kernels alike) is
+    "ambiguous: A / B"."""
+    found = collections.defaultdict(set)
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                    found[entry["kernel"]].add(entry["part"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a killed writer
+    return {k: v.pop() if len(v) == 1 else "ambiguous: " + " / ".join(sorted(v)) for k, v in found.items()}
+
+
+def part_of_kernel(name, parts):
+    """A profiled kernel's part: recorded, or a library call's, or generated but unrecorded."""
+    if name in parts:
+        return parts[name]
+    return UNKNOWN if name.startswith(("triton_", "cpp_")) else LIBRARY
