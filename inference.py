@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from train_gpt_cplm import (ATTN_SCALE, BLOCK, CausalSelfAttention, DataError, GPT, GPTConfig, Hyperparameters,
-                            Rotary, norm, read_checkpoint)
+                            Rotary, UsageError, check_args, norm, read_checkpoint)
 from cpu_head import EagerCPUHeadLoss
 
 
@@ -21,22 +21,61 @@ from cpu_head import EagerCPUHeadLoss
 def read_model_checkpoint(path, device="cpu", mmap=False):
     """(its run's Hyperparameters, the step it was saved at, the weights) of a checkpoint that save_checkpoint
     wrote; mmap=True reads the weights from disk only when they are used (listing many checkpoints), unverified.
-    A missing, unreadable, corrupted, diverged or unresolved file is a DataError (one line)."""
-    state = read_checkpoint(path, device, verify=not mmap, mmap=mmap, resumable=False)
+    A missing, unreadable, corrupted, diverged or unresolved file is a DataError (one line), and so is one whose
+    settings are not a run's (check_settings)."""
+    try:
+        state = read_checkpoint(path, device, verify=not mmap, mmap=mmap, resumable=False)
+    except (AttributeError, TypeError) as e:  # weights that are not tensors, past read_checkpoint's own checks
+        raise DataError(f"{path}: not a checkpoint of this script ({type(e).__name__}: {str(e)[:200]})")
     saved, step, weights = state["hyperparameters"], state["step"], state["model"]
     known = {f.name for f in dataclasses.fields(Hyperparameters)}
     a = dataclasses.replace(Hyperparameters(), **{k: v for k, v in saved.items() if k in known})
+    check_settings(path, a, step, weights)
+    return a, step, weights
+
+
+def check_settings(path, a, step, weights):
+    """DataError (one line, naming path) unless a checkpoint's settings are a run's: each field of its field's type,
+    together passing the checks every run passes at its start (check_args), its step inside its run's schedule, and
+    describing the weights it holds. A crafted file fails here, in one line, and not as a TypeError in the model's
+    constructor (num_layers "x"), a ZeroDivisionError or an IndexError (num_heads 3 of model_dim 64, bos_id past the
+    vocabulary), or a build that takes minutes or more memory than the machine has (num_layers 100000, model_dim
+    65536 over weights of 32). experiments/test_slice.py reads every checkpoint through here."""
+    defaults = Hyperparameters()
+
+    def fits(value, default):  # argparse gave every saved setting its field's type (bool is no int here)
+        kind = (int, float) if isinstance(default, float) else type(default)
+        return isinstance(value, kind) and not isinstance(value, bool)
+    kinds = {int: "an integer", float: "a number", str: "a string"}
+    wrong = [f"{f.name} {getattr(a, f.name)!r:.60} is not {kinds[type(getattr(defaults, f.name))]}"
+             for f in dataclasses.fields(a) if not fits(getattr(a, f.name), getattr(defaults, f.name))]
+    if wrong:
+        raise DataError(f"{path}: its hyperparameters are not a run's settings: {', '.join(wrong)}")
     if a.vocab_size <= 0 or a.bos_id < 0:
         raise DataError(f"{path}: its hyperparameters have no resolved vocabulary "
                         f"(vocab_size {a.vocab_size}, bos_id {a.bos_id})")
-    return a, step, weights
+    try:  # read on the dense paths: a GPU run's cp_backend "flex" is no reason to refuse it on a CPU
+        check_args(dataclasses.replace(a, cp_backend="dense"))
+    except UsageError as e:
+        raise DataError(f"{path}: its hyperparameters fail the training script's checks ({e})")
+    if step > a.num_iterations:  # the window's schedule is step / num_iterations: no run saves past its end
+        raise DataError(f"{path}: step {step} is past its run's num_iterations {a.num_iterations}")
+    if not all(isinstance(k, str) and torch.is_tensor(w) for k, w in weights.items()):
+        raise DataError(f"{path}: not a checkpoint of this script (its weights are not named tensors)")
+    embed = weights.get("embed.weight")
+    blocks = {k.split(".")[1] for k in weights if k.startswith("blocks.")}
+    if embed is None or tuple(embed.shape) != (a.vocab_size, a.model_dim) or len(blocks) != a.num_layers:
+        raise DataError(f"{path}: its hyperparameters (vocab_size {a.vocab_size}, model_dim {a.model_dim}, num_layers "
+                        f"{a.num_layers}) do not describe its weights (embed "
+                        f"{tuple(embed.shape) if embed is not None else 'missing'}, {len(blocks)} blocks)")
 
 
 def load_model(path, device="cpu", max_seq_len=0):
     """A trained model from a checkpoint that save_checkpoint wrote, for inference: (model in eval mode,
     its run's Hyperparameters, the step it was saved at). max_seq_len: the longest sequence it will run;
     the rotary table is not saved, so it is rebuilt this long (never shorter than training's). A missing,
-    unreadable or mismatched file is a DataError (one line)."""
+    unreadable or mismatched file, or one whose settings are not a run's, is a DataError (one line), before any
+    model is built."""
     a, step, weights = read_model_checkpoint(path, device)
     return model_from(path, a, weights, device, max_seq_len), a, step
 

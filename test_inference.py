@@ -276,8 +276,50 @@ def test_load_model_gives_back_the_saved_model_and_refuses_bad_files(checkpoints
     del state["digest"]
     state["hyperparameters"]["model_dim"] = 64
     torch.save(state, tmp_path / "other_shape.pt")
-    with pytest.raises(tg.DataError, match="do not fit"):
+    with pytest.raises(tg.DataError, match="do not describe its weights"):  # refused before a model is built
         inference.load_model(str(tmp_path / "other_shape.pt"))
+
+
+def crafted_checkpoint(path, out, change):
+    """A copy of the checkpoint with change(state) applied and its digest made to match (a careful forger)."""
+    state = torch.load(path, weights_only=True)
+    change(state)
+    state["digest"] = tg.run_files.tensor_digest([state["model"], state["optimizers"],
+                                                  tg.run_files.checkpoint_scalars(state)])
+    torch.save(state, out)
+    return out
+
+
+@pytest.mark.parametrize("change,says", [
+    (dict(num_layers="x"), "num_layers 'x' is not an integer"),  # was a TypeError in the model's constructor
+    (dict(num_heads=3), "--model_dim must be num_heads x head_dim"),  # loaded: heads of 10.67 dims fail later
+    (dict(bos_id=100000), "--bos_id a token id below it"),  # loaded: a BOS that no token id can be
+    (dict(model_dim=65536), "do not describe its weights"),  # tried to allocate 48 GiB
+    (dict(num_layers=100000), "--num_layers 100000 (at most 1024)"),  # built for over a minute
+    (dict(num_layers=4), "do not describe its weights"),  # 4 layers over the weights of 2
+], ids=["num_layers_str", "num_heads_3", "bos_id_past_vocab", "model_dim_65536", "num_layers_100000", "layers_4"])
+def test_load_model_refuses_crafted_settings_before_building_anything(checkpoints, tmp_path, monkeypatch, capsys,
+                                                                       change, says):
+    """A hostile tester's checkpoints, their digests matching: load_model (sample.py, needle.py, copy_picture.py, ...)
+    raised tracebacks, tried to allocate 48 GiB, built for minutes or loaded a model its settings cannot run. Each is
+    now one DataError naming the file and the setting, raised before any model is built (the check that
+    experiments/test_slice.py refuses them with), and the scripts print one line and exit 1."""
+    bad = crafted_checkpoint(checkpoints[1][0], tmp_path / "state_step000010.pt",
+                             lambda s: s["hyperparameters"].update(change))
+
+    def no_build(config):
+        raise AssertionError("a model was built from settings that describe none")
+    monkeypatch.setattr(inference, "GPT", no_build)
+    for read in (inference.load_model, inference.read_model_checkpoint,
+                 lambda p: inference.read_model_checkpoint(p, mmap=True)):
+        with pytest.raises(tg.DataError) as e:
+            read(str(bad))
+        assert str(bad) in str(e.value) and says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    for script, args in (("sample", ["--prompt", "x"]), ("copy_picture", ["--text", bad, "--out", tmp_path / "o"])):
+        r = run_script(script, bad, *args, capsys=capsys)
+        assert r.returncode == 1 and r.stdout == "", (script, r.stdout)
+        assert_one_line(r.stderr, f"{script}.py: error:", str(bad), says)
+    assert not (tmp_path / "o").exists()
 
 
 class PickledObject:

@@ -361,7 +361,8 @@ def test_missing_corrupt_and_mismatched_checkpoints_exit_2_in_one_line(run_folde
     torch.save(state, tmp_path / "other_shape.pt")
     (tmp_path / "empty").mkdir()
     for bad, message in [(tmp_path / "missing.pt", "no such checkpoint"), (tmp_path / "garbage.pt", "not a readable"),
-                         (tmp_path / "truncated.pt", "not a readable"), (tmp_path / "other_shape.pt", "do not fit"),
+                         (tmp_path / "truncated.pt", "not a readable"),
+                         (tmp_path / "other_shape.pt", "do not describe its weights"),
                          (tmp_path / "empty", "without checkpoints")]:
         assert mech.main(["grad", "--checkpoints", str(bad)]) == 2
         err = capsys.readouterr().err

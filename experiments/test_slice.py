@@ -25,7 +25,6 @@ Writes <out>.json (one record per checkpoint: its losses, per-document sums for 
 the scorer's version) and <out>.md (a table), and prints the table.
 """
 import contextlib
-import dataclasses
 import glob
 import hashlib
 import json
@@ -250,41 +249,16 @@ def slice_key(test_start, test_tokens, documents):
 
 
 def read_checked(path, mmap=False):
-    """(its run's Hyperparameters, step, weights) of a checkpoint (inference.read_model_checkpoint), refused in one
-    line (EvalError) unless its settings are a run's: each of its field's type, together passing the checks every
-    run passes at its start, and describing the weights it holds. A crafted file must fail here, not as a
-    TypeError in the model's constructor (num_layers "x"), a ZeroDivisionError in the scoring (a vanilla run with
-    no tuning slice) or an allocation the machine cannot hold (num_layers 1000 over the weights of 4)."""
+    """(its run's Hyperparameters, step, weights) of a checkpoint, refused in one line (EvalError) unless
+    inference.read_model_checkpoint takes it (its settings a run's: inference.check_settings), its run has a tuning
+    slice where the neural cache needs one (a vanilla run's val_tokens 0 would divide by zero in the scoring), and
+    the val shards are the bytes it validated on."""
     try:
         a, step, weights = inference.read_model_checkpoint(path, mmap=mmap)
     except tg.DataError as e:
         raise EvalError(str(e))
-    except (AttributeError, TypeError) as e:  # weights that are not tensors, past read_checkpoint's own checks
-        raise EvalError(f"{path}: not a checkpoint of this script ({type(e).__name__}: {str(e)[:200]})")
-    defaults = tg.Hyperparameters()
-
-    def fits(value, default):  # argparse gave every saved setting its field's type (bool is no int here)
-        kind = (int, float) if isinstance(default, float) else type(default)
-        return isinstance(value, kind) and not isinstance(value, bool)
-    kinds = {int: "an integer", float: "a number", str: "a string"}
-    wrong = [f"{f.name} {getattr(a, f.name)!r} is not {kinds[type(getattr(defaults, f.name))]}"
-             for f in dataclasses.fields(a) if not fits(getattr(a, f.name), getattr(defaults, f.name))]
-    if wrong:
-        raise EvalError(f"{path}: its hyperparameters are not a run's settings: {', '.join(wrong)}")
-    try:  # scored on the dense paths: a GPU run's cp_backend "flex" is no reason to refuse it on a CPU
-        run_files.check_args(dataclasses.replace(a, cp_backend="dense"))
-    except tg.UsageError as e:
-        raise EvalError(f"{path}: its hyperparameters fail the training script's checks ({e})")
-    if step > a.num_iterations:  # the window's schedule is step / num_iterations: no run saves past its end
-        raise EvalError(f"{path}: step {step} is past its run's num_iterations {a.num_iterations}")
     if mode_of(a) == "vanilla" and a.val_tokens == 0:
         raise EvalError(f"{path}: its run has val_tokens 0, so no tuning slice for the neural cache's theta and lambda")
-    embed = weights.get("embed.weight")
-    blocks = {k.split(".")[1] for k in weights if k.startswith("blocks.")}
-    if not torch.is_tensor(embed) or tuple(embed.shape) != (a.vocab_size, a.model_dim) or len(blocks) != a.num_layers:
-        raise EvalError(f"{path}: its hyperparameters (vocab_size {a.vocab_size}, model_dim {a.model_dim}, num_layers "
-                        f"{a.num_layers}) do not describe its weights (embed "
-                        f"{tuple(embed.shape) if torch.is_tensor(embed) else 'not a tensor'}, {len(blocks)} blocks)")
     check_val_shards(path, a)
     return a, step, weights
 

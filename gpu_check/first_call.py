@@ -16,10 +16,11 @@ NEED_GIB below: the caching allocator keeps a process's peak until it exits; two
 H200), their timed parts taking turns on the GPU (a file lock, gpu_turn.py), each as soon as its process is
 warm; a job that outlives its time is killed and reported:
   1. ab (interleaved.py): vanilla and CPLM built and compiled in one process, their training steps alternated on the
-     same batches for --ab_s (at least 200 rounds on the GPU), each step timed with CUDA events: the report's
+     same batches for --ab_s (100 s; at least 200 rounds on the GPU), each step timed with CUDA events: the report's
      `cplm/vanilla step time ratio (interleaved, R rounds): X.XXX [LO, HI]`, a 95% interval from a moving-block
      bootstrap over rounds; then a profile of both modes (the top kernels, those only CPLM runs, the shared ones'
-     difference, idle gaps). It depends on no other job: the ratio comes out if the separate jobs hang;
+     difference, idle gaps). It depends on no other job: the ratio comes out if the separate jobs hang; not warm by
+     390 s, it is killed;
   2. vanilla and cplm, started beside it (job.py: train_gpt_cplm.main itself; --steps timed steps of one
      48Ki-token row, one validation row of 256Ki tokens in the warm-up and after the timed steps; the train loss
      every quarter): compile time, step time, peak memory in training and validation, recompiles in and after
@@ -35,8 +36,27 @@ warm; a job that outlives its time is killed and reported:
 The report says what each job gave as it ends, and at the end: the interleaved ratios, the separate-process ratio
 and the accumulation runs; a job not started says why. $OUT only ever holds the two files: the children's logs live
 in a work folder under $TMPDIR, packed again whole and moved in by one rename each time a job ends, so a kill at
-any moment leaves the report as far as it got. SIGTERM and SIGHUP kill the jobs, pack the logs and add a "stopped"
-line. --dry_run does all of it on a CPU at a tiny size; the tests inject faults into any job (--inject).
+any moment leaves the report as far as it got. Ctrl-C (SIGINT), SIGTERM and SIGHUP kill the jobs, pack the logs,
+add a `stopped: SIGINT` (SIGTERM, SIGHUP) line to the report, say so in one line and exit 128 + the signal (130,
+143, 129). An $OUT that cannot be written (read-only, full): one line, exit 1, the jobs killed, the work folder
+removed, and an $OUT that got no line left as it was.
+
+Time. Of --deadline_s (570 s), 25 s are kept for the report and the packing: the jobs have 545 s. The phases are
+budgeted for a p90 compile: CPLM 237 s cold, vanilla 140 s cold or 45 s from the compile cache (the slower of the
+two H200 calls in records/gpu, three jobs compiling side by side, plus the two calls' spread: CPLM 175 and 206 s,
+vanilla 104 and 122 s, from the cache 25 and 35 s). The A/B is then warm by 282 s where three training processes
+fit the card (vanilla from the cache the separate vanilla job filled) or 377 s where two do (an 80 GB H100: the
+separate vanilla job waits for a slot, so the A/B compiles both modes cold); it is killed if not warm by 390 s. Its
+wait for the GPU (a separate job's timed steps, 7-9 s on the H200; 20 s allowed), rounds (100 s) and profile
+(30 s) then end by 527 s at the latest. What gives way when time runs short, first to last: the sentinel's A/B
+(started only with 180 s left), the accumulation runs (150 s), the fallback where it is needed (the quiet re-runs,
+120 s; the dense CP job, 150 s), then the A/B's rounds (cut to the time left less the profile's 30 s); the profile
+and the report's 25 s are kept. The report's first lines give this plan and this order for the call's card and
+options. In a dry run each job's time limits count the CPU time it gets (the wall clock while it gets none, as a
+hung job does), so a loaded machine stretches them as much as it slows the jobs, and an injected hang is still
+killed on time.
+
+--dry_run does all of it on a CPU at a tiny size; the tests inject faults into any job (--inject).
 """
 import argparse
 import contextlib
@@ -55,20 +75,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RECORD_STEP_MS = 99.9  # the 2025-01-26 record: 2.93 min over its 1760 timed steps on 8xH100, communication included
 RECORD_BATCH = 8 * 48 * 1024  # the record's tokens a step: 8 GPUs x one 48Ki-token row
-# seconds, on the GPU and (dry run) on a CPU
+# The GPU's compile + warm-up (3 warm-up steps and a validation row), seconds, in the two H200 calls of records/gpu
+# (2026-12-04 and 2026-12-04-200-steps: vanilla, CPLM and the reference check compiling side by side on 16 cores):
+# CPLM, vanilla, and vanilla's re-run from the compile cache. Two calls give no percentile: the plan's p90 is the
+# slower call's time plus the two calls' spread (p90_compile).
+COMPILE_S = {"cplm": (175, 206), "vanilla": (104, 122), "vanilla_cached": (25, 35)}
+TURN_WAIT_S = 20  # the A/B, once warm, waits for a separate job's timed part (7-9 s in those calls), sizes its rounds
+# seconds, on the GPU and (dry run) on a CPU; test_gpu_preflight.py checks the plan (ab_plan) against COMPILE_S
 BUDGET = {
     "report_reserve": (25, 8),  # kept back at the end for the report and the packing
     "devices": (90, 30),  # the device checks' job: killed past this
     "refcheck_turn": (30, 20),  # the reference check holds the GPU (its timed part and the reference) at most this
-    "ab_rounds": (120, 6),  # the interleaved A/B's timed rounds (about 0.21 s a round on the H200: ~570 rounds)
-    "ab_warm": (330, 90),  # the interleaved A/B warm by then (on the H200 about 240 s: CPLM cold, vanilla from the
-    # cache the separate vanilla job filled), or killed: the accumulation runs and the fallback need the rest
+    "ab_rounds": (100, 6),  # the interleaved A/B's timed rounds (about 0.21 s a round on the H200: ~475 rounds)
+    "ab_warm": (390, 90),  # the interleaved A/B warm by then (p90: 282 s on three slots, 377 s on two), or killed: the
+    # fallback needs the rest (390 + TURN_WAIT_S + ab_rounds + ab_profile = 540 s, inside the jobs' 545)
     "ab_profile": (30, 10),  # kept after the rounds for the profile
     "sentinel_rounds": (60, 4),  # the sentinel's A/B, after the rest
-    "dense_min": (150, 20),  # the dense CP fallback starts only with this much left: a compile and the steps
+    # each later job starts only with this much left; the larger need goes first when time runs short (give_way)
+    "dense_min": (150, 20),  # the dense CP fallback: a compile and the steps
     "rerun_min": (120, 15),  # a quiet re-run: a warm-cache compile and the steps
     "accum_min": (150, 15),  # an accumulation job: a compile (the FP8 gradient scale makes new graphs) and 6 steps
-    "sentinel_min": (150, 20),  # the sentinel's A/B: two modes' compiles (vanilla's from the cache) and rounds
+    "sentinel_min": (180, 20),  # the sentinel's A/B: two modes' compiles (mostly from the cache) and 60 s of rounds
 }
 BIG_SLOTS = 3  # training processes alive at once at most (16 cores); fewer where their memory caps do not fit the card
 # Memory: each training job's allocator is capped at MEMORY_MARGIN times what it needs, and jobs run side by side only
@@ -96,8 +123,70 @@ SMALL = ("refcheck", "devices")  # no slot: they hold little memory and few core
 MARKERS = {"warm-up done": "warm-up done", "gpu turn": "gpu turn", "final": "^(final |done in )"}  # in a job's stdout
 
 
+class Stopped(Exception):
+    """A signal that ends the call: SIGINT (Ctrl-C), SIGTERM (`timeout`, schedulers), SIGHUP (a closed terminal)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.name = signal.Signals(signum).name
+
+
+class OutError(Exception):
+    """$OUT cannot be written (a read-only or full file system): one line, exit 1."""
+
+
+class Signals:
+    """Turns the stop signals into Stopped, raised wherever the driver is, except inside held(): there (a job started
+    but not yet in the list the clean-up kills, the clean-up itself) it is raised once the block ends. The caller's
+    handlers come back with restore() (the tests call main in their process)."""
+    STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.signum, self.depth = None, 0
+        self.before = {s: signal.signal(s, self.on_signal) for s in self.STOP}
+
+    def on_signal(self, signum, _frame):
+        self.signum = self.signum or signum
+        if not self.depth:
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.signum and not self.depth:
+            raise Stopped(self.signum)
+
+    def restore(self):
+        for s, handler in self.before.items():
+            signal.signal(s, handler)
+
+
+def cpu_seconds_by_group():
+    """{process group: CPU seconds of its processes, and of the children they reaped} from /proc ({} without it)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    try:
+        pids = [x for x in os.listdir("/proc") if x.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command's name, which may hold spaces
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        group = int(fields[2])  # fields from the state on: state ppid pgrp ... utime(11) stime cutime cstime(14)
+        out[group] = out.get(group, 0) + sum(int(x) for x in fields[11:15]) / tick
+    return out
+
+
 class Job:
-    """One child process with its own stdout file; killed with its whole process group."""
+    """One child process with its own stdout file; killed with its whole process group. Its time limits are counted on
+    its clock: the wall clock on the GPU; in a dry run the CPU time its process group gets, and the wall clock while
+    it gets none (a hang, a stall), so that a loaded machine stretches the limits as much as it slows the job."""
 
     def __init__(self, name, cmd, work, env=None, limit_s=None, warm_limit_s=None):
         self.name, self.cmd, self.limit_s, self.warm_limit_s = name, cmd, limit_s, warm_limit_s
@@ -106,9 +195,18 @@ class Job:
         self.events = {}  # marker -> when (time.monotonic()) it was first seen in stdout
         self.ended = self.killed = None
         self.relayed = 0  # REPORT lines already copied into the report
+        self.clock, self.last_tick = 0.0, (self.started, None)  # its clock, and (when, CPU seconds) at the last tick
         with open(self.stdout_path, "w") as f:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                          start_new_session=True)
+
+    def tick(self, now, cpu=None):
+        """Advances its clock to `now`: by the CPU seconds its group got since the last tick (cpu: their total now), at
+        most the wall time; by the wall time where it got none, or where cpu is None (on the GPU)."""
+        then, cpu_then = self.last_tick
+        wall, got = now - then, (None if cpu is None or cpu_then is None else cpu - cpu_then)
+        self.clock += wall if got is None or got <= 0 else min(got, wall)
+        self.last_tick = (now, cpu)
 
     def poll(self, now):
         text = self.text()
@@ -138,6 +236,7 @@ class Job:
             return ""
 
     def kill(self, why):
+        """SIGKILL to its process group, then reaped (waited for, at most 10 s)."""
         if self.proc.poll() is None:
             self.killed, self.ended = why, time.monotonic()
             try:
@@ -172,15 +271,33 @@ class Report:
     at most these two files."""
 
     def __init__(self, out, work):
-        self.out, self.work = out, work
-        self.file = open(os.path.join(out, "report.txt"), "w")
+        self.out, self.work, self.lines = out, work, 0
+        try:
+            self.file = open(os.path.join(out, "report.txt"), "w")
+        except OSError as e:
+            raise OutError(f"--out {out}: cannot write report.txt there ({e.strerror})")
 
     def __call__(self, line=""):
+        """The line on stdout and in report.txt; OutError where report.txt cannot take it (the file is then closed)."""
         print(line, flush=True)
-        self.file.write(line + "\n")
-        self.file.flush()
+        if self.file is None:
+            raise OutError(f"--out {self.out}: report.txt could not be written")
+        try:
+            self.file.write(line + "\n")
+            self.file.flush()
+        except OSError as e:
+            with contextlib.suppress(OSError):  # what the failed flush left buffered would fail again at exit
+                self.file.close()
+            self.file = None
+            raise OutError(f"--out {self.out}: cannot write report.txt ({e.strerror})")
+        self.lines += 1
 
-    def pack(self):
+    def safe(self, line=""):
+        """The line where it can still be written (the clean-up: nothing there may stop it)."""
+        with contextlib.suppress(OutError):
+            self(line)
+
+    def pack(self, say=None):
         logs, packed = os.path.join(self.work, "logs"), os.path.join(self.work, "logs.tar.gz")
         try:
             with tarfile.open(packed, "w:gz") as tar:
@@ -192,7 +309,7 @@ class Report:
             except OSError:  # the work folder on another filesystem: copied in (a kill mid-copy cuts it short)
                 shutil.copyfile(packed, os.path.join(self.out, "logs.tar.gz"))
         except (OSError, tarfile.TarError) as e:
-            self(f"  packing the logs failed: {type(e).__name__}: {e}")
+            (say or self)(f"  packing the logs failed: {type(e).__name__}: {e}")
 
 
 def check_data(data):
@@ -281,6 +398,57 @@ def budget(args, name):
     return BUDGET[name][1 if args.dry_run else 0]
 
 
+def p90_compile(kind):
+    """The plan's p90 compile + warm-up of COMPILE_S's kind, seconds: the slower call's time plus the spread."""
+    fast, slow = COMPILE_S[kind]
+    return slow + (slow - fast)
+
+
+def ab_plan(slots_n, ab_s, deadline_s):
+    """(when the A/B is warm, when its rounds and profile are over, the jobs' deadline), seconds from the start, on
+    the GPU with a p90 compile. Three training processes side by side: the separate vanilla job compiles beside the
+    A/B, whose vanilla then comes from the cache; fewer: the vanilla job waits for a slot, so the A/B compiles both
+    modes cold."""
+    warm = p90_compile("cplm") + p90_compile("vanilla_cached" if slots_n >= 3 else "vanilla")
+    end = warm + TURN_WAIT_S + ab_s + BUDGET["ab_profile"][0]
+    return warm, end, deadline_s - BUDGET["report_reserve"][0]
+
+
+def give_way(dry_run):
+    """What gives way when time runs short, first to last: each later job starts only with its minimum left (the
+    larger minimum first to go), the A/B's rounds are cut by interleaved.py's --end_in_s."""
+    b = {name: BUDGET[name][1 if dry_run else 0] for name in BUDGET}
+    return (f"when time runs short, given up first to last: ab_sentinel (started only with {b['sentinel_min']}s "
+            f"left), cplm_accum and vanilla_accum ({b['accum_min']}s), the fallback where it is needed (the quiet "
+            f"re-runs, {b['rerun_min']}s; cplm_dense, {b['dense_min']}s), then the A/B's rounds (cut to the time left "
+            f"less its profile's {b['ab_profile']}s); the profile and the report's {b['report_reserve']}s are kept")
+
+
+def plan_line(args, slots_n, ab_s):
+    """The report's plan: on the GPU, when the A/B is warm and done on a p90 compile, and what does not fit; in a dry
+    run, its limits and how they are counted."""
+    if args.dry_run:
+        return (f"plan (a dry run): the A/B killed if not warm after {budget(args, 'ab_warm')}s, its rounds "
+                f"{ab_s:.0f}s and profile {budget(args, 'ab_profile')}s; each job's time limits count the CPU time it "
+                "gets (the wall clock while it gets none, as a hung job), so a loaded machine stretches them as it "
+                "slows the jobs")
+    warm, end, jobs_end = ab_plan(slots_n, ab_s, args.deadline_s)
+    line = (f"plan on a p90 compile (CPLM {p90_compile('cplm')}s, vanilla {p90_compile('vanilla')}s cold or "
+            f"{p90_compile('vanilla_cached')}s from the cache: the slower of records/gpu's two H200 calls plus their "
+            f"spread): the A/B warm by {warm}s ("
+            + ("vanilla from the cache the separate vanilla job filled" if slots_n >= 3 else
+               f"{slots_n} training processes side by side: both modes cold" if slots_n == 2 else
+               "one training process at a time: both modes cold")
+            + f"; killed if not warm by {budget(args, 'ab_warm')}s), its rounds ({ab_s:.0f}s) and profile "
+            f"({budget(args, 'ab_profile')}s) over by {end}s, of the {jobs_end:.0f}s the jobs have")
+    rounds = jobs_end - (end - ab_s)
+    if warm > min(budget(args, "ab_warm"), jobs_end) or rounds < 10:
+        line += ": no time for its rounds on such a compile (a longer --deadline_s)"
+    elif end > jobs_end:
+        line += f": its rounds cut to {rounds:.0f}s on such a compile"
+    return line
+
+
 def card_memory_gib():
     """The GPU's total memory in GiB: nvidia-smi's (the smallest card it lists), else torch's read in a subprocess (a
     CUDA start: seconds); None where neither reads it."""
@@ -339,31 +507,33 @@ def memory_line(dry_run, card_gib, caps, usable):
                if too_big else ""))
 
 
-def run_jobs(jobs, deadline, report, on_poll, on_exit):
-    """Polls the jobs until each has ended and on_poll() starts no more, or the deadline comes; copies their REPORT
-    lines into the report as they come; kills what is left at the deadline, and a job past its time limit. A job
-    that holds the GPU (its timed part) longer than its turn budget is killed, so that one hang cannot take the
-    others' turns: the budget is its own (turn_budget, set when it was started) or its share of the time left when
-    it took the GPU, shared with the training jobs still to time, itself included, at most its turn_cap.
+def run_jobs(jobs, deadline, report, on_poll, on_exit, cpu_clock=False):
+    """Polls the jobs until each has ended and on_poll() starts no more (it adds what it starts to jobs), or the
+    deadline comes; copies their REPORT lines into the report as they come; kills what is left at the deadline, and a
+    job past its time limit. A job that holds the GPU (its timed part) longer than its turn budget is killed, so that
+    one hang cannot take the others' turns: the budget is its own (turn_budget, set when it was started) or its share
+    of the time left when it took the GPU, shared with the training jobs still to time, itself included, at most its
+    turn_cap. Limits and turns are counted on each job's clock (Job.tick; cpu_clock: a dry run's CPU time).
     on_exit(job) is called once a job has ended."""
     while True:
-        jobs.extend(on_poll())
+        on_poll()
         if all(getattr(j, "reported", False) for j in jobs):
             break
         time.sleep(0.5)
         now = time.monotonic()  # one time a round: events seen in the same round are simultaneous
+        cpu = cpu_seconds_by_group() if cpu_clock else {}
         for j in list(jobs):
             seen = set(j.events)
             j.poll(now)
+            j.tick(now, cpu.get(j.proc.pid) if cpu_clock else None)
             for marker in [m for m in j.events if m not in seen and m != "final"]:
                 report(f"  [{now - T0:5.0f}s] {j.name}: {marker}")
             for line in j.new_report_lines():
                 report(f"  {line}")
         for j in jobs:
-            if j.rc is None and j.limit_s is not None and now - j.started > j.limit_s:
+            if j.rc is None and j.limit_s is not None and j.clock > j.limit_s:
                 j.kill(f"past its time limit, {j.limit_s:.0f}s")
-            elif j.rc is None and j.warm_limit_s is not None and j.compiled() is None \
-                    and now - j.started > j.warm_limit_s:
+            elif j.rc is None and j.warm_limit_s is not None and j.compiled() is None and j.clock > j.warm_limit_s:
                 j.kill(f"not warm after {j.warm_limit_s:.0f}s")
             elif j.rc is None and "gpu turn" in j.events:
                 if not hasattr(j, "turn_taken"):
@@ -371,8 +541,8 @@ def run_jobs(jobs, deadline, report, on_poll, on_exit):
                                and not hasattr(x, "turn_taken") and x.name not in SMALL]
                     share = (deadline - now) / max(len(waiting), 1)
                     j.turn_budget = getattr(j, "turn_budget", None) or min(share, getattr(j, "turn_cap", share))
-                    j.turn_taken = now
-                elif now - j.turn_taken > j.turn_budget and "final" not in j.events:
+                    j.turn_taken = j.clock
+                elif j.clock - j.turn_taken > j.turn_budget and "final" not in j.events:
                     j.kill(f"past its share of the GPU, {j.turn_budget:.0f}s")
         for j in list(jobs):
             if j.rc is not None and not getattr(j, "reported", False):
@@ -554,7 +724,10 @@ def write_summary(report, args, work, jobs, not_started):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="first_call.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="first_call.py", description=__doc__.splitlines()[0],
+                                epilog=f"Time: {give_way(False)[0].upper()}{give_way(False)[1:]} (a dry run: "
+                                "the same order, shorter minima). Ctrl-C, SIGTERM, SIGHUP: the jobs killed, the "
+                                "logs packed, a `stopped:` line; exit 128 + the signal. The docstring has the plan.")
     p.error = lambda message: (_ for _ in ()).throw(ValueError(message))  # one line, not argparse's usage block
     p.add_argument("--out", required=True, help="report.txt and logs.tar.gz go here ($OUT); not a call's folder")
     p.add_argument("--data", default=".gpu_data", help="shards from gpu_check/prepare_gpu_data.py (none: synthetic)")
@@ -562,7 +735,8 @@ def parse_args(argv):
                    "(570: inside a 590 s command)")
     p.add_argument("--steps", type=int, default=40,
                    help="timed steps of the separate jobs (a train loss every quarter)")
-    p.add_argument("--ab_s", type=float, help="the interleaved A/B's timed rounds, seconds (default 120; dry run 6)")
+    p.add_argument("--ab_s", type=float, help=f"the interleaved A/B's timed rounds, seconds (default "
+                   f"{BUDGET['ab_rounds'][0]}; dry run {BUDGET['ab_rounds'][1]})")
     p.add_argument("--bos", type=int, default=50256)
     p.add_argument("--dry_run", action="store_true", help="CPU, tiny model: the whole program in about a minute")
     p.add_argument("--inject", default="", help="tests: JOB:fail, JOB:hang (in its timed part, holding the GPU), "
@@ -617,6 +791,19 @@ def injected(args, name, cmd, work):
 
 
 def main(argv=None):
+    """The call: 0 when it ran to its end (whatever its jobs gave), 1 bad data or an $OUT it cannot write, 2 bad
+    arguments, 128 + the signal when stopped by one; each failure one line on stderr."""
+    signals = Signals()  # from the first moment: a Ctrl-C is one line, never a traceback
+    try:
+        return call(argv, signals)
+    except Stopped as e:  # before the work folder and the report existed: nothing to kill, pack or remove
+        print(f"first_call.py: stopped by {e.name}: nothing was started", file=sys.stderr)
+        return 128 + signals.signum
+    finally:
+        signals.restore()
+
+
+def call(argv, signals):
     global T0
     try:
         args = parse_args(argv)
@@ -630,6 +817,7 @@ def main(argv=None):
               "no internet): python3 gpu_check/prepare_gpu_data.py; or name a folder with no shards for synthetic "
               "documents", file=sys.stderr)
         return 1
+    made_out = not os.path.isdir(args.out)
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
@@ -637,33 +825,76 @@ def main(argv=None):
         return 2
     T0 = time.monotonic()
     deadline = T0 + args.deadline_s - budget(args, "report_reserve")
-    work = tempfile.mkdtemp(prefix="first_call_")  # the children's logs and the GPU turn's lock: never in $OUT
-    os.makedirs(os.path.join(work, "logs"))
-    os.makedirs(os.path.join(work, "ended"))
-    report = Report(args.out, work)
     ab_s = args.ab_s if args.ab_s is not None else budget(args, "ab_rounds")
-    report(f"GPU check: deadline {args.deadline_s:.0f}s; the interleaved A/B's rounds {ab_s:.0f}s; {args.steps} timed "
-           "steps a separate job" + (" (dry run on CPU)" if args.dry_run else "") + f"; work folder {work}")
-    card = None if args.dry_run else card_memory_gib()
-    caps, usable = memory_plan(card)
-    report(memory_line(args.dry_run, card, caps, usable))
+    jobs, not_started, report, stopped, failed = [], {}, None, None, None
+    try:
+        with signals.held():  # the report and the work folder come into being together, or a failure removes both
+            report = Report(args.out, None)  # first: an $OUT that cannot be written fails before anything is made
+            # the children's logs and the GPU turn's lock: never in $OUT
+            report.work = work = tempfile.mkdtemp(prefix="first_call_")
+            os.makedirs(os.path.join(work, "logs"))
+            os.makedirs(os.path.join(work, "ended"))
+        report(f"GPU check: deadline {args.deadline_s:.0f}s; the interleaved A/B's rounds {ab_s:.0f}s; {args.steps} "
+               "timed steps a separate job" + (" (dry run on CPU)" if args.dry_run else "") + f"; work folder {work}")
+        card = None if args.dry_run else card_memory_gib()
+        caps, usable = memory_plan(card)
+        report(memory_line(args.dry_run, card, caps, usable))
+        report(plan_line(args, slots(caps, usable), ab_s))
+        report(give_way(args.dry_run))
+        run_plan(args, work, report, jobs, not_started, caps, usable, ab_s, deadline, synthetic, signals)
+    except Stopped as e:
+        stopped = e
+    except OutError as e:
+        failed = str(e)
+    except OSError as e:  # the work folder (under $TMPDIR) cannot be made or written: no room, read-only
+        failed = f"{e.filename or 'the work folder'}: {e.strerror}"
+    finally:  # whatever happened above: no child left running, the logs packed into $OUT, the work folder gone
+        signals.depth += 1  # a second Ctrl-C does not cut the clean-up short
+        if signals.signum and not (stopped or failed):  # one that came while a job was being started
+            stopped = Stopped(signals.signum)
+        for j in jobs:
+            j.kill("the driver stopped")
+        unwritten = failed and (report is None or report.lines == 0)  # failed before a line: $OUT as it was
+        if report is not None and report.work is not None:
+            if stopped:
+                report.safe(f"stopped: {stopped.name}")
+            if not unwritten:
+                report.pack(say=report.safe)
+                report.safe(f"logs packed into logs.tar.gz; total {time.monotonic() - T0:.0f}s of a "
+                            f"{args.deadline_s:.0f}s deadline")
+            shutil.rmtree(report.work, ignore_errors=True)
+        if unwritten:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(args.out, "report.txt"))
+            if made_out:
+                with contextlib.suppress(OSError):
+                    os.rmdir(args.out)
+    if stopped:
+        print(f"first_call.py: stopped by {stopped.name}: its jobs killed, the report and the logs in {args.out}",
+              file=sys.stderr)
+        return 128 + signals.signum
+    if failed:
+        print(f"first_call.py: error: {failed}" + ("; its jobs were killed" if jobs else "; nothing was started"),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_plan(args, work, report, jobs, not_started, caps, usable, ab_s, deadline, synthetic, signals):
+    """Starts the jobs by value as their time comes (each added to jobs at once, so the clean-up kills it), runs them
+    to the end or the deadline, and writes the summary."""
     env = {"GPU_CHECK_TURN": os.path.join(work, "gpu_turn.lock"), "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1",
            "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 3) // slots(caps, usable)))}
     if args.dry_run:
         env["OMP_NUM_THREADS"] = "1"  # several processes on a few cores: one thread each
-    jobs, not_started = [], {}
-
-    def stopped(signum, _frame):  # `timeout` and schedulers send SIGTERM, a closed terminal SIGHUP: end through the
-        report(f"stopped by signal {signum}")  # `finally` below, which kills the jobs (each in a process group of
-        raise SystemExit(128 + signum)  # its own, which no signal to ours reaches), packs the logs, removes the folder
-    signal.signal(signal.SIGTERM, stopped)
-    signal.signal(signal.SIGHUP, stopped)
 
     def start(name, cmd, limit_s=None, turn_budget=None, warm_limit_s=None):
         job_env = dict(env)
         if name in caps:
             job_env["GPU_CHECK_MEMORY_GIB"] = f"{caps[name]:.2f}"
-        job = Job(name, injected(args, name, cmd, work), work, job_env, limit_s, warm_limit_s)
+        with signals.held():  # no signal between the child's start and its place in the list the clean-up kills
+            job = Job(name, injected(args, name, cmd, work), work, job_env, limit_s, warm_limit_s)
+            jobs.append(job)
         if turn_budget is not None:
             job.turn_budget = turn_budget
         else:  # a training job's timed steps and validation row: 6-25 s on the H200 for 40 steps (0.9 s a step of
@@ -736,20 +967,18 @@ def main(argv=None):
     ]
 
     def on_poll():
-        """The plan's jobs whose time has come."""
-        new = []
+        """Starts the plan's jobs whose time has come."""
         for name, when, need_s, launch in plan:
             if started(name) or name in not_started or not when():
                 continue
-            alive = [j.name for j in jobs + new if j.rc is None and j.name not in SMALL]
+            alive = [j.name for j in jobs if j.rc is None and j.name not in SMALL]
             if name not in SMALL and not may_start(name, alive, caps, usable):
                 continue
             if need_s and left() < need_s:
                 not_started[name] = f"{left():.0f}s left, it needs {need_s}s"
                 continue
-            new.append(launch())
+            launch()
             report(f"  [{time.monotonic() - T0:5.0f}s] {name}: started")
-        return new
 
     def on_exit(job):
         open(os.path.join(work, "ended", job.name), "w").close()  # for the tests' --inject JOB:after=OTHER
@@ -759,28 +988,20 @@ def main(argv=None):
             report(f"  {job_result(job, jobs, work)[0]}")
         report.pack()
 
-    try:
-        if synthetic:
-            try:
-                report(make_synthetic_data(args, work, until=deadline))
-            except TimeoutError as e:
-                report(f"no shards at --data {args.data}, and the synthetic documents were not made by the deadline "
-                       f"({e}): nothing was started (fewer --steps, or a longer --deadline_s)")
-                return 0
-        report("")
-        report("== jobs (each timed part takes its turn on the GPU as soon as its job is warm) ==")
-        run_jobs(jobs, deadline, report, on_poll, on_exit)
-        for name, when, need_s, launch in plan:
-            if not started(name) and name not in not_started and when():
-                not_started[name] = "no time, or no free slot or memory, before the deadline"
-        write_summary(report, args, work, jobs, not_started)
-    finally:  # whatever happened above: no child left running, the logs packed into $OUT, the work folder gone
-        for j in jobs:
-            j.kill("the driver stopped")
-        report.pack()
-        report(f"logs packed into logs.tar.gz; total {time.monotonic() - T0:.0f}s of a {args.deadline_s:.0f}s deadline")
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+    if synthetic:
+        try:
+            report(make_synthetic_data(args, work, until=deadline))
+        except TimeoutError as e:
+            report(f"no shards at --data {args.data}, and the synthetic documents were not made by the deadline "
+                   f"({e}): nothing was started (fewer --steps, or a longer --deadline_s)")
+            return
+    report("")
+    report("== jobs (each timed part takes its turn on the GPU as soon as its job is warm) ==")
+    run_jobs(jobs, deadline, report, on_poll, on_exit, cpu_clock=args.dry_run)
+    for name, when, need_s, launch in plan:
+        if not started(name) and name not in not_started and when():
+            not_started[name] = "no time, or no free slot or memory, before the deadline"
+    write_summary(report, args, work, jobs, not_started)
 
 
 T0 = time.monotonic()

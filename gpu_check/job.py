@@ -24,6 +24,9 @@ def main(argv=None):
     except tg.DataError as e:
         print(f"job.py: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C on a job run alone (the GPU check's jobs get SIGKILL): one line, as the script
+        print("job.py: stopped by Ctrl-C (its log says so)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
