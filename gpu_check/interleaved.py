@@ -400,11 +400,15 @@ def main(argv=None):
     p.add_argument("--end_in_s", type=float, default=1e9, help="everything done by then (the profile included)")
     p.add_argument("--profile_steps", type=int, default=3, help="steps a mode under the profiler (0: none)")
     p.add_argument("--profile_reserve_s", type=float, default=30, help="kept for the profile after the rounds")
-    p.add_argument("--kernel_parts", help="a file of kernels' model parts (kernel_parts.py) to append to and read: "
-                   "shared with the processes that compiled the same graphs (default: this process's own)")
+    p.add_argument("--optional_modes", default="", help="modes measured only if their compile fits by --warm_by_s "
+                   "(e.g. cplm_loss: one more cold compile)")
+    p.add_argument("--warm_by_s", type=float, default=1e9, help="the optional modes' compiles end by then")
+    p.add_argument("--kernel_parts", default=os.environ.get("KERNEL_PARTS_FILE"),
+                   help="a file of kernels' model parts (kernel_parts.py) to append to and read, shared with the "
+                   "processes that compile the same graphs (default: $KERNEL_PARTS_FILE, else this process's own)")
     p.add_argument("train_flags", nargs="*", help="train_gpt_cplm's flags, after --")
     args = p.parse_args(argv)
-    for flag in ("rounds_s", "end_in_s", "profile_reserve_s"):
+    for flag in ("rounds_s", "end_in_s", "profile_reserve_s", "warm_by_s"):
         value = getattr(args, flag)
         if not math.isfinite(value) or value < 0 or (value == 0 and flag != "profile_reserve_s"):
             p.error(f"--{flag}: a finite number of seconds, {'0 or more' if flag == 'profile_reserve_s' else 'above 0'}"
@@ -413,9 +417,9 @@ def main(argv=None):
         p.error("--profile_steps: 0 or more; --min_rounds: 1 or more")
     started = time.monotonic()
     end = started + args.end_in_s
-    names = args.modes.split(",")
-    if len(names) < 2 or len(set(names)) != len(names) or not set(names) <= set(MODES):
-        p.error(f"--modes: two or more distinct names of {', '.join(MODES)}, the baseline first")
+    names, optional = args.modes.split(","), [n for n in args.optional_modes.split(",") if n]
+    if len(names) < 2 or len(set(names + optional)) != len(names + optional) or not set(names + optional) <= set(MODES):
+        p.error(f"--modes, --optional_modes: two or more distinct names of {', '.join(MODES)}, the baseline first")
     a = tg.resolve_vocabulary(tg.parse_args(args.train_flags))
     device = device_for_run()
     if device.type == "cuda" and a.coordinate_descent and a.compile != 0:
@@ -424,16 +428,29 @@ def main(argv=None):
     loader = tg.TrainLoader(a.train_files, a.batch_size, a.seq_len, 0, 1, a.vocab_size, a.bos_id, a.data_seed)
     parts_file = args.kernel_parts or os.path.join(tempfile.mkdtemp(prefix="kernel_parts_"), "parts.jsonl")
     kernel_parts.record_into(parts_file)  # every compile of this process: the warm-up's, any recompile after
-    modes = {}
-    # the modes other than the baseline compile first: a separate job compiling the baseline beside this process
-    # (first_call.py's) is then the likelier to have filled the compile cache by the time the baseline compiles
-    for name in names[1:] + names[:1]:
+    modes, warm_s = {}, {}
+
+    def warm_up(name):
         t0 = time.monotonic()
         modes[name] = Mode(name, tg.dataclasses.replace(a, **MODES[name]), device)
         for step in range(max(a.warmup_steps, 1)):  # compiles; Newton-Schulz and the FP8 head recompile once
             modes[name].step(step, loader.next_batch(device))
         synchronize(device)
-        print(f"{name}: built and warmed up in {time.monotonic() - t0:.0f}s", flush=True)
+        warm_s[name] = time.monotonic() - t0
+        print(f"{name}: built and warmed up in {warm_s[name]:.0f}s", flush=True)
+
+    # the modes other than the baseline compile first: a separate job compiling the baseline beside this process
+    # (first_call.py's) is then the likelier to have filled the compile cache by the time the baseline compiles
+    for name in names[1:] + names[:1]:
+        warm_up(name)
+    for name in optional:  # each only if a compile as slow as the slowest so far ends by --warm_by_s
+        need = max(warm_s.values())
+        if time.monotonic() - started + need <= args.warm_by_s and end - time.monotonic() - need > args.rounds_s / 2:
+            warm_up(name)
+            names.append(name)
+        else:
+            report(f"{name}: not measured (its compile, ~{need:.0f}s as the slowest so far, would end past the "
+                   f"warm-up limit, {args.warm_by_s:.0f}s, or leave too little for the rounds)")
     print(f"warm-up done: {', '.join(names)}", flush=True)
     turn = take_turn()  # held for the rounds and the profile
     order = list(names)

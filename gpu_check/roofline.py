@@ -1,5 +1,5 @@
-"""Where CPLM's extra step time should go on an H200, estimated on a CPU: a roofline over every kernel of both modes'
-compiled training step (the speedrun preset, one 48Ki-token row, forward and backward) and the optimizer's.
+"""Where CPLM's extra step time should go on an H100 and an H200, estimated on a CPU: a roofline over every kernel of
+both modes' compiled training step (the speedrun preset, one 48Ki-token row, forward and backward) and the optimizer's.
 
     python3 gpu_check/roofline.py > records/gpu/roofline.md      # about 5 minutes on 2 busy cores; no Triton needed
 
@@ -7,14 +7,18 @@ How: each mode's model as CUDA holds it (preflight.cuda_path_model: FP8 head, bf
 traced and pushed through inductor's own pipeline (compile_fx: decompositions, AOT autograd, the joint graph's
 passes, the partitioner, lowering) with its Triton code generator and FlexAttention's lowerings told the device is
 CUDA, as the pre-flight does, up to the scheduler: the kernels are inductor's fused nodes, each one Triton kernel
-or one library call (matmuls, sorts, the FP8 head's ops), with inductor's own count of the bytes each reads and
-writes from memory and the FLOPs of its matmuls. The FlexAttention ops are counted from their tiles: the 128 x 128
-(query, key) tiles each visits on a representative row (gpu_check/prepare_gpu_data.synthetic_tokens, the GPU
-check's data: documents of ~1140 tokens), the attention windows averaged over the record's schedule. Each kernel
-is then timed by the roofline of an H200 (4.8 TB/s; 790 TFLOP/s bf16 as measured there, FP8 twice that), with a
-floor per launch. What it cannot see: the CPU's scheduling differs from sm_90's in a few heuristics (reduction
-splits), cuBLAS and FlexAttention reach a fraction of the roofline (assumed below), caches, the host; the
-optimizer's Adam and Muon's eager steps are counted from the parameters' sizes, not read.
+or one library call (matmuls, sorts, the FP8 head's ops), with the bytes each reads and writes from memory (by
+inductor's own rule, per fused part: moved_bytes) and the FLOPs of its matmuls. The one post-grad rewrite inductor
+keeps for CUDA graphs that the loss depends on, the online softmax (a row's max and sum of exponentials in one pass),
+is applied as on CUDA. The FlexAttention ops are counted from their tiles: the 128 x 128 (query, key) tiles each
+visits on a representative row (gpu_check/prepare_gpu_data.synthetic_tokens, the GPU check's data: documents of
+~1140 tokens), the attention windows averaged over the record's schedule; what they read stays in the graph (a
+stand-in that read nothing let inductor drop the matmul that makes attention's output gradient). Each kernel is
+then timed by the roofline of each card (CARDS: an achievable bandwidth and GEMM rate, not the spec sheet's), with
+a floor per launch. What it cannot see: the CPU's scheduling differs from sm_90's in a few more heuristics
+(reduction splits, reductions of two loop orders fused), cuBLAS and FlexAttention reach a fraction of the roofline
+(assumed below), caches, the host; the optimizer's Adam and Muon's eager steps are counted from the parameters'
+sizes, not read.
 """
 import argparse
 import collections
@@ -25,6 +29,7 @@ import re
 import sys
 import tempfile
 import time
+import typing
 import unittest.mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,16 +37,44 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch._inductor.config as inductor_config  # noqa: E402
+from torch._inductor import ir  # noqa: E402
 from torch._inductor import scheduler as inductor_scheduler  # noqa: E402
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: E402
+from torch._inductor.virtualized import V  # noqa: E402
 
 import preflight  # noqa: E402
 import train_gpt_cplm as tg  # noqa: E402
 from prepare_gpu_data import synthetic_tokens  # noqa: E402
 
-BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
-BF16_FLOPS = 790e12  # a bf16 GEMM at 8192^3 on the H200 (records/gpu/2026-12-04: 787-810 TFLOP/s)
-FP8_FLOPS = 2 * BF16_FLOPS  # the FP8 head's _scaled_mm: twice bf16's rate on Hopper
+
+class Card(typing.NamedTuple):
+    """A card's roofline: HBM bandwidth as a streaming kernel reaches it (the spec sheet's times derating), the bf16
+    GEMM rate as measured, FP8 twice that (Hopper's FP8 tensor cores), FlexAttention a share of bf16's."""
+    name: str
+    spec_bandwidth: float  # bytes/s, the spec sheet's
+    derating: float  # the share of it a streaming copy reaches
+    bf16: float  # FLOP/s
+    sms: int  # streaming multiprocessors: a FlexAttention thread block (8 warps here) takes one
+    fp8_rate: float = 0.0  # FLOP/s; 0: twice bf16's
+
+    @property
+    def bandwidth(self):
+        return self.spec_bandwidth * self.derating
+
+    @property
+    def fp8(self):
+        return self.fp8_rate or 2 * self.bf16
+
+
+# Derating: BabelStream's Copy (an array read, one written) on Azure's ND H100 v5 and ND H200 v5, published in
+# Azure/AI-benchmarking-guide: 2.90 TB/s of 3.35 and 4.01 of 4.8 (a streaming kernel's best; inductor's fused kernels
+# read and write the same way). The records hold no bandwidth measurement: the report shows the floors at others.
+# bf16: the H200's GEMM at 8192^3 in records/gpu/2026-12-04 (787-810 TFLOP/s); the H100's "maximum achievable matmul
+# FLOPS" in stas00/ml-engineering (compute/accelerator/README.md: 794.5 TFLOP/s, torch 2.7, a search over shapes).
+CARDS = {"h100": Card("H100 SXM 80 GB", 3.35e12, 2.90 / 3.35, 794.5e12, 132),
+         "h200": Card("H200 141 GB", 4.8e12, 4.01 / 4.8, 790e12, 132)}
+# FP8 as measured in the same table (1402.6 and 1453.4 TFLOP/s, 1.77x and 1.84x bf16's): the report's variant
+FP8_MEASURED = {CARDS["h100"].name: 1402.6e12, CARDS["h200"].name: 1453.4e12}
 FLEX_EFFICIENCY = 0.4  # FlexAttention's share of the bf16 rate (FlashAttention-2 reaches 35-50% for head dims
 # 64-128 with causal masks; FlexAttention about 90% of it): an assumption, not a measurement
 LAUNCH_FLOOR_S = 5e-6  # a kernel's least time on the GPU's timeline when the host launches them one by one
@@ -53,23 +86,34 @@ class _Scheduled(Exception):
 
 
 @contextlib.contextmanager
-def reading_the_scheduler(kind, into, vocab):
-    """Each graph's scheduler, once built (its nodes fused), read into `into` as Kernel dicts, then stopped."""
+def reading_the_scheduler(kind, into, vocab, kept=()):
+    """Each graph's scheduler, once built (its nodes fused), read into `into` as Kernel dicts, then stopped. kept:
+    buffers a FlexAttention op reads, which its stand-in (it reads nothing) must not let inductor drop as dead."""
     build = inductor_scheduler.Scheduler.__init__
+    eliminate = inductor_scheduler.Scheduler.dead_node_elimination
 
     def read(self, *args, **kwargs):
         build(self, *args, **kwargs)
         into.extend(kernel_of(node, kind, vocab) for node in self.nodes if counts(node))
         raise _Scheduled
 
-    with unittest.mock.patch.object(inductor_scheduler.Scheduler, "__init__", read):
+    def keeping(self):
+        for name in kept:
+            if name in self.name_to_buf:
+                self.name_to_buf[name].users.append(
+                    inductor_scheduler.NodeUser(inductor_scheduler.OutputNode(inductor_scheduler.StarDep(name))))
+        eliminate(self)
+
+    with unittest.mock.patch.object(inductor_scheduler.Scheduler, "__init__", read), \
+            unittest.mock.patch.object(inductor_scheduler.Scheduler, "dead_node_elimination", keeping):
         yield
 
 
 def counts(node):
-    """A node that is a kernel: not a view or an empty buffer (FlexAttention's placeholders), not a FlexAttention
-    op's (counted from its tiles)."""
-    if isinstance(node, inductor_scheduler.NopKernelSchedulerNode):
+    """A node that is a kernel: not a view or an empty buffer (FlexAttention's placeholders), not one output of a
+    library call's several (its call is the kernel), not a FlexAttention op's (counted from its tiles)."""
+    if isinstance(node, inductor_scheduler.NopKernelSchedulerNode) or isinstance(getattr(node, "node", None),
+                                                                                 ir.MultiOutput):
         return False
     return not any(o.target in preflight._flex_ops() for o in origins(node))
 
@@ -82,15 +126,55 @@ def origins(node):
     return found
 
 
+def buffer_bytes(scheduler, name):
+    """A buffer's whole size in bytes (a library call's tuple of outputs: the sum of its parts)."""
+    buf = V.graph.name_to_buffer.get(name) or V.graph.graph_inputs.get(name)
+    if buf is None or isinstance(buf, ir.TorchBindObject):
+        return 0
+    layout = buf.get_output_spec() if hasattr(buf, "get_output_spec") else buf.layout
+    if isinstance(layout, ir.MultiOutputLayout):
+        return sum(buffer_bytes(scheduler, out.get_name()) for user in scheduler.name_to_buf[name].users
+                   if isinstance(getattr(user.node, "node", None), ir.MultiOutput) for out in user.node.get_outputs())
+    if isinstance(layout, ir.NoneLayout):
+        return sum(buffer_bytes(scheduler, m) for m in buf.get_mutation_names())
+    return math.prod(int(s) for s in buf.get_size()) * buf.get_dtype().itemsize
+
+
+def moved_bytes(node):
+    """The HBM bytes a kernel reads and writes. Inductor's own count (get_read_write_buffers_sizes) takes a fused
+    kernel's or a library call's loops as 1e9 elements, so a (T, V) buffer (2.5e9 elements at 48Ki tokens) counted
+    1e9 and a gather of one element a row counted the whole buffer; here each fused part counts by inductor's rule
+    with its own loops (a buffer: the elements they index, at most the buffer, once a kernel), a library call reads
+    and writes its buffers whole, and a buffer made and used only inside the kernel counts nothing."""
+    scheduler = node.scheduler
+    if isinstance(node, inductor_scheduler.ExternKernelSchedulerNode):
+        names = {d.name for d in node.read_writes.reads | node.read_writes.writes}
+        return sum(buffer_bytes(scheduler, name) for name in names)
+    parts = node.get_nodes()
+    inside = {d.name for part in parts for d in part.read_writes.writes
+              if d.name in scheduler.name_to_buf
+              and all(u.node in parts for u in scheduler.name_to_buf[d.name].users)} if len(parts) > 1 else set()
+    per_buffer = {}
+    for part in parts:
+        for name, nbytes in part.get_read_write_buffer_accesses(include_reads=True, include_writes=True).items():
+            if name not in inside:
+                per_buffer[name] = max(per_buffer.get(name, 0), nbytes)
+    return sum(per_buffer.values())
+
+
 CP_FUNCTIONS = {"copy_lses", "cplm_target_log_prob", "target_in_context", "_dense_copy_lse_chunk"}
 HEAD_FUNCTIONS = {"lm_head_terms", "vanilla_nll", "vanilla_mean", "vanilla_token_nll", "lm_logits"}
 MASK_FUNCTIONS = {"flex_document_mask", "document_blocks", "within_window", "doc_ids_of"}
 
 
+def functions_of(o):
+    return set(re.findall(r", in (\w+)", o.meta.get("stack_trace") or ""))
+
+
 def origin_category(o):
     """The part of the model an FX node computes (a backward node: the part whose gradient it is), from its
     source lines and its module."""
-    functions = set(re.findall(r", in (\w+)", o.meta.get("stack_trace") or ""))
+    functions = functions_of(o)
     stack = o.meta.get("nn_module_stack") or o.meta.get("fwd_nn_module_stack") or {}
     module = list(stack.values())[-1][0] if stack else ""
     if functions & CP_FUNCTIONS or "cp_head" in module:
@@ -105,41 +189,61 @@ def origin_category(o):
 
 
 def category(node, op_name, vocab):
-    """A kernel's part of the model: a library call's (a matmul, a sort) is its op's; a fused kernel that makes or
-    reads a (T, V) tensor is the LM head's (those bytes are most of any kernel they are in: the CP mixture's
+    """A kernel's part of the model: a library call's (a matmul, a sort) is its op's; a fused kernel that writes or
+    reads a (T, V) buffer is the LM head's (those bytes are most of any kernel they are in: the CP mixture's
     pointwise steps fuse into the head's reductions); any other fused kernel's is what most of its FX nodes compute
-    (a matmul's inputs and a fused kernel's edges reach into the parts beside it)."""
+    (a matmul's inputs and a fused kernel's edges reach into the parts beside them)."""
     if "fp8_matmul" in op_name:
         return CATEGORIES[0]
     inner = getattr(node, "node", None)
     origin = inner.get_origin_node() if isinstance(node, inductor_scheduler.ExternKernelSchedulerNode) else None
     if origin is not None:
         return origin_category(origin)
-    found = origins(node)
-    if any(vocab in getattr(t, "shape", ()) for o in found for a in (o, *o.all_input_nodes)
-           for t in [a.meta.get("val")] if isinstance(t, torch.Tensor)):
+    if touches_logits(node, vocab):
         return CATEGORIES[0]
-    votes = collections.Counter(origin_category(o) for o in found)
+    votes = collections.Counter(origin_category(o) for o in origins(node))
     return max(CATEGORIES, key=lambda c: (votes[c], -CATEGORIES.index(c))) if votes else CATEGORIES[4]
 
 
+def touches_logits(node, vocab):
+    """The kernel reads or writes a (T, V) buffer."""
+    for part in node.get_nodes():
+        for dep in part.read_writes.reads | part.read_writes.writes:
+            buf = V.graph.name_to_buffer.get(dep.name) or V.graph.graph_inputs.get(dep.name)
+            layout = getattr(buf, "layout", None)
+            size = [int(s) for s in layout.size] if isinstance(layout, ir.Layout) else []
+            if size and size[-1] == vocab and math.prod(size) > vocab:
+                return True
+    return False
+
+
+def rebuilt(o):
+    """An FX node of copy_lses that builds the match mask's tiles again from the document ids (document_blocks,
+    all partial) and its BlockMask's lists (document_block_mask, not the document mask's flex_document_mask)."""
+    functions = functions_of(o)
+    return "copy_lses" in functions and ("document_blocks" in functions or (
+        "document_block_mask" in functions and "flex_document_mask" not in functions))
+
+
 def kernel_of(node, kind, vocab):
-    """One kernel: its graph, what it is, its category, the bytes it moves, its FLOPs and its roofline time."""
+    """One kernel: its graph, what it is, its category, the bytes it moves, its FLOPs and the rate they run at."""
     inner = getattr(node, "node", None)
     op_name = str(getattr(inner, "op_overload", "") or getattr(inner, "python_kernel_name", "") or "")
     extern = isinstance(node, inductor_scheduler.ExternKernelSchedulerNode)
-    nbytes = node.get_read_write_buffers_sizes()
-    flops, rate = node.estimate_flops() or 0, BF16_FLOPS
+    nbytes = moved_bytes(node)
+    flops, rate = node.estimate_flops() or 0, "bf16"
     if "fp8_matmul" in op_name:  # the FP8 head's custom ops: _scaled_mm at FP8's rate (one matmul forward, two back)
         T, D, Vp = _fp8_shapes(inner)
-        flops, rate = (4 if "backward" in op_name else 2) * T * D * Vp, FP8_FLOPS
+        flops, rate = (4 if "backward" in op_name else 2) * T * D * Vp, "fp8"
         if "backward" in op_name:  # inside it, beyond its inputs and outputs: the e5m2 gradient written, its
             nbytes += 5 * T * Vp  # transposed copy read and written, both read by the two matmuls (1 byte each)
     what = (op_name.split(".")[-2] if "." in op_name else op_name) if extern else \
         ("reduction" if node.is_reduction() else "pointwise")
-    seconds = max(nbytes / BANDWIDTH, flops / rate)
+    found = origins(node)
     return dict(graph=kind, what=what or "extern", category=category(node, op_name, vocab), bytes=nbytes, flops=flops,
-                seconds=seconds, name=",".join(sorted(o.name for o in origins(node)))[:80])
+                rate=rate, logits=not extern and touches_logits(node, vocab),
+                match_tiles=bool(found) and all(rebuilt(o) for o in found),
+                name=",".join(sorted(o.name for o in found))[:80])
 
 
 def _fp8_shapes(inner):
@@ -161,6 +265,57 @@ def flex_op_of(fx_node, kind):
     return dict(graph=kind, role=role, backward=backward, H=int(H), T=int(T), d=int(d))
 
 
+@contextlib.contextmanager
+def flex_inputs_kept(names):
+    """FlexAttention's lowerings record the buffers they read (each realized, as the CUDA lowering realizes them):
+    the stand-in the pre-flight's lowering leaves reads nothing, and inductor would drop them, and what makes them
+    (attention's output gradient, a matmul), as dead."""
+    from torch.utils._pytree import tree_leaves
+
+    def wrap(op, lower):
+        def lowered(*args, **kwargs):
+            out = lower(*args, **kwargs)
+            for x in tree_leaves((args, kwargs)):
+                if isinstance(x, ir.TensorBox):
+                    name = ir.ExternKernel.realize_input(x).maybe_get_name()
+                    if name:
+                        names.add(name)
+            return out
+        return lowered
+
+    with preflight.flex_lowerings_wrapped(wrap):
+        yield
+
+
+_ONLINE_SOFTMAX = []
+
+
+@contextlib.contextmanager
+def decisions_as_on_cuda():
+    """The graph read here is the CUDA one on CPU buffers: inductor's heuristics that ask whether a node is on a CPU
+    or a GPU answer as on CUDA (on a CPU it writes out any reused result of an exp, a log or a sigmoid, the record's
+    soft-capped logits among them; it neither fuses reductions of two loop orders nor reorders loops; it unrolls
+    fewer small reductions), and its online softmax (a row's max and sum of exponentials in one pass, a post-grad
+    rewrite it makes only for CUDA graphs) is registered again without that check."""
+    if not _ONLINE_SOFTMAX:
+        from torch._inductor.fx_passes import post_grad
+        from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
+        passes = PatternMatcherPass()
+        register_replacement(post_grad.prepare_softmax_pattern, post_grad.prepare_softmax_replacement,
+                             [torch.empty(4, 8)], scalar_workaround=dict(dim=-1), trace_fn=fwd_only,
+                             pass_dicts=passes, extra_check=lambda match: inductor_config.online_softmax)
+        _ONLINE_SOFTMAX.append(passes.apply)
+    gpu = lambda device_type: device_type in ("cuda", "xpu", "cpu")  # noqa: E731
+    node = inductor_scheduler.BaseSchedulerNode
+    with unittest.mock.patch.object(ir, "is_cpu", lambda x: False), \
+            unittest.mock.patch.object(ir, "is_gpu", gpu), \
+            unittest.mock.patch.object(node, "is_cpu", lambda self: False), \
+            unittest.mock.patch.object(node, "is_gpu", lambda self: True), \
+            unittest.mock.patch.object(inductor_scheduler, "_is_gpu_triton_backend", lambda a, b: True), \
+            inductor_config.patch(post_grad_custom_pre_pass=_ONLINE_SOFTMAX[0]):
+        yield
+
+
 def graph_kernels(fn, inputs, backward=True, vocab=50304):
     """([Kernel], [flex op]) of the graphs inductor compiles for fn on the CUDA path (forward and backward, or one
     inference graph), read at the scheduler: nothing is computed, so the speedrun's shapes cost no memory or time."""
@@ -171,8 +326,10 @@ def graph_kernels(fn, inputs, backward=True, vocab=50304):
         kind = "backward" if kwargs.get("is_backward") else "forward"
         flex.extend(flex_op_of(n, kind) for n in gm.graph.nodes
                     if n.op == "call_function" and n.target in preflight._flex_ops())
+        kept = set()
         try:
-            with preflight._flex_lowered_as_on_gpu([]), reading_the_scheduler(kind, kernels, vocab):
+            with preflight._flex_lowered_as_on_gpu([]), flex_inputs_kept(kept), \
+                    reading_the_scheduler(kind, kernels, vocab, kept):
                 compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as e:
             while e is not None and not isinstance(e, _Scheduled):
@@ -187,7 +344,8 @@ def graph_kernels(fn, inputs, backward=True, vocab=50304):
                 unittest.mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache), \
                 unittest.mock.patch.object(flex_module, "_validate_device", lambda *a, **k: None), \
                 unittest.mock.patch.object(tg, "update_dtype", lambda device: torch.bfloat16), \
-                inductor_config.patch(cpu_backend="triton", fx_graph_cache=False, force_disable_caches=True):
+                inductor_config.patch(cpu_backend="triton", fx_graph_cache=False, force_disable_caches=True), \
+                decisions_as_on_cuda():
             out = torch.compile(fn, backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=inner), fullgraph=True,
                                 dynamic=False)(*inputs)
             if backward:
@@ -232,31 +390,44 @@ def representative_tiles(T, seed=0):
             "CP match mask": (whole[0], whole[0], whole[2])}  # all partial: the token test runs in every tile
 
 
-SMS = 132  # the H200's streaming multiprocessors; a FlexAttention thread block (8 warps here) takes one
+def flex_kernels(op, tiles, matmuls=None, vectors=None, lses=None, delta=None):
+    """The kernels of a FlexAttention op, from its tiles: per tile two matmuls forward (Q K^T, P V) and five backward
+    (Q K^T again, dP, dV, dQ, dK), 128 x 128 x d each; HBM bytes: q, k, v, the output and the LSE (forward), q, k,
+    v, the output's gradient, dq, dk, dv, the LSE and delta (backward), bf16; K and V re-read per tile from L2, not
+    HBM. The backward starts with its own kernel for delta (the row sums of the output times its gradient). matmuls,
+    vectors, lses, delta: another kernel's (an LSE-only one). Timed by seconds()."""
+    backward = op["backward"]
+    matmuls = matmuls or (5 if backward else 2)
+    vectors = vectors or (7 if backward else 4)
+    lses = lses or (2 if backward else 1)
+    vector, lse = op["T"] * op["H"] * op["d"] * 2, op["T"] * op["H"] * 4
+    tile_flops = matmuls * 2 * 128 * 128 * op["d"]
+    kernel = dict(graph=op["graph"], what="flex " + ("backward" if backward else "forward"),
+                  category=CATEGORIES[1] if op["role"].startswith("CP") else CATEGORIES[2],
+                  bytes=vectors * vector + lses * lse, flops=tile_flops * tiles[0] * op["H"], rate="flex",
+                  name=op["role"], tiles=tiles, heads=op["H"], tile_flops=tile_flops)
+    if not (backward if delta is None else delta):
+        return [kernel]
+    return [dict(kernel, what="flex delta", bytes=2 * vector + lse, flops=0, rate="bf16", tiles=None), kernel]
 
 
-def flex_cost(op, tiles):
-    """(bytes, FLOPs, seconds) of a FlexAttention op from its tiles: per tile two matmuls forward (Q K^T, P V) and
-    five backward, 128 x 128 x d each; HBM bytes: q, k, v, the output and the LSE (forward), q, k, v, the output's
-    gradient, dq, dk, dv, the LSE and delta (backward), bf16; K and V re-read per tile from L2, not HBM. Its time:
-    the tiles spread over the SMs, or the longest loop one query block runs (its tiles one after another, at one
-    SM's share of the rate), whichever is longer; the backward's key-block loops are as long (whole documents
-    visited from both sides)."""
-    total, _, longest = tiles
-    per_tile = (10 if op["backward"] else 4) * 128 * 128 * op["d"]
-    flops = per_tile * total * op["H"]
-    vectors = op["T"] * op["H"] * op["d"] * 2
-    nbytes = (7 if op["backward"] else 4) * vectors + (2 if op["backward"] else 1) * op["T"] * op["H"] * 4
-    tile_s = per_tile / (FLEX_EFFICIENCY * BF16_FLOPS / SMS)
-    return nbytes, flops, max(nbytes / BANDWIDTH, tile_s * max(total * op["H"] / SMS, longest))
+def seconds(k, card):
+    """A kernel's time on the card by its roofline. A FlexAttention kernel's: its tiles spread over the SMs, or the
+    longest loop one query block runs (its tiles one after another, at one SM's share of the rate), whichever is
+    longer; the backward's key-block loops are as long (whole documents visited from both sides)."""
+    if k.get("tiles"):
+        total, _, longest = k["tiles"]
+        tile_s = k["tile_flops"] / (FLEX_EFFICIENCY * card.bf16 / card.sms)
+        return max(k["bytes"] / card.bandwidth, tile_s * max(total * k["heads"] / card.sms, longest))
+    return max(k["bytes"] / card.bandwidth, k["flops"] / (card.fp8 if k["rate"] == "fp8" else card.bf16))
 
 
 def optimizer_cost(cplm):
-    """(bytes, FLOPs, launches, seconds) of the optimizer step as build_optimizers sets it up on CUDA. Muon, per
-    matrix: Newton-Schulz compiled as on CUDA (bf16; its kernels read at the scheduler like the model's, once per
-    shape) and three eager kernels (the momentum's two lerps and the update: 36 bytes a parameter). Adam, fused: each
-    parameter, its gradient and two moments read, three written, in the parameter's dtype (the embeddings bf16 on
-    CUDA), about one launch a parameter group. The same in both modes but for the CP head's two matrices (Adam's)."""
+    """(bytes, FLOPs, launches) of the optimizer step as build_optimizers sets it up on CUDA. Muon, per matrix:
+    Newton-Schulz compiled as on CUDA (bf16; its kernels read at the scheduler like the model's, once per shape) and
+    three eager kernels (the momentum's two lerps and the update: 36 bytes a parameter). Adam, fused: each parameter,
+    its gradient and two moments read, three written, in the parameter's dtype (the embeddings bf16 on CUDA), about
+    one launch a parameter group. The same in both modes but for the CP head's two matrices (Adam's)."""
     with torch.device("meta"):
         model = tg.GPT(tg.GPTConfig(cplm=cplm, fp8_head=1))
     adam, muon = tg.build_optimizers(model, tg.Hyperparameters(cplm=cplm), 0, 1)
@@ -269,115 +440,249 @@ def optimizer_cost(cplm):
         nbytes += n * (sum(k["bytes"] for k in kernels) + 36 * math.prod(shape))
         flops += n * sum(k["flops"] for k in kernels)
         launches += n * (len(kernels) + 3)
-    return nbytes, flops, launches, max(nbytes / BANDWIDTH, flops / BF16_FLOPS)
+    return nbytes, flops, launches
+
+
+def optimizer_seconds(optimizer, card):
+    nbytes, flops, _ = optimizer
+    return max(nbytes / card.bandwidth, flops / card.bf16)
+
+
+def mode_kernels(cplm, T, tiles, **config):
+    """([Kernel], [flex op]) of one mode's step (config: GPTConfig's fields): the kernels read at the scheduler,
+    then its FlexAttention ops' kernels from their tiles."""
+    kernels, flex = step_kernels(cplm, T, **config)
+    attention = [op for op in flex if op["role"] == "attention"]
+    for direction in (False, True):  # 3 long-window layers of the 11 with attention, 8 short, as window_pattern
+        ops = [op for op in attention if op["backward"] == direction]
+        for i, op in enumerate(ops):
+            op["role"] = "attention long" if i < len(ops) * 3 // 11 else "attention short"
+    for op in flex:
+        kernels.extend(flex_kernels(op, tiles[op["role"]]))
+    return kernels, flex
 
 
 def mode_table(T):
-    """Per mode: its kernels (with the flex ops as kernels) and the optimizer's cost."""
+    """Per mode: its kernels (with the flex ops' kernels), its flex ops and the optimizer's cost."""
     tiles = representative_tiles(T)
     out = {}
     for cplm in (0, 1):
         t0 = time.perf_counter()
-        kernels, flex = step_kernels(cplm, T)
-        attention = [op for op in flex if op["role"] == "attention"]
-        for direction in (False, True):  # 3 long-window layers of the 11 with attention, 8 short, as window_pattern
-            ops = [op for op in attention if op["backward"] == direction]
-            for i, op in enumerate(ops):
-                op["role"] = "attention long" if i < len(ops) * 3 // 11 else "attention short"
-        for op in flex:
-            nbytes, flops, seconds = flex_cost(op, tiles[op["role"]])
-            kernels.append(dict(graph=op["graph"], what="flex " + ("backward" if op["backward"] else "forward"),
-                                category=CATEGORIES[1] if op["role"].startswith("CP") else CATEGORIES[2],
-                                bytes=nbytes, flops=flops, seconds=seconds, name=op["role"],
-                                tiles=tiles[op["role"]]))
-        out["CPLM" if cplm else "vanilla"] = dict(kernels=kernels, optimizer=optimizer_cost(cplm),
-                                                  seconds=time.perf_counter() - t0)
+        kernels, flex = mode_kernels(cplm, T, tiles)
+        out["CPLM" if cplm else "vanilla"] = dict(kernels=kernels, flex=flex, optimizer=optimizer_cost(cplm),
+                                                  vocab=tg.GPTConfig().padded_vocab, seconds=time.perf_counter() - t0)
     return out, tiles
 
 
-def totals(kernels):
-    seconds = sum(k["seconds"] for k in kernels)
-    floored = sum(max(k["seconds"], LAUNCH_FLOOR_S) for k in kernels)
+def totals(kernels, card):
+    times = [seconds(k, card) for k in kernels]
     return dict(launches=len(kernels), bytes=sum(k["bytes"] for k in kernels), flops=sum(k["flops"] for k in kernels),
-                seconds=seconds, floored=floored)
+                seconds=sum(times), floored=sum(max(t, LAUNCH_FLOOR_S) for t in times))
 
 
-def markdown(modes, tiles, T, wall_s):
+def step_floor(mode, card):
+    """(roofline, with launches) of a whole step: the kernels and the optimizer."""
+    t = totals(mode["kernels"], card)
+    opt = optimizer_seconds(mode["optimizer"], card)
+    return t["seconds"] + opt, t["floored"] + opt + mode["optimizer"][2] * LAUNCH_FLOOR_S
+
+
+CHANGES = ("one LSE-only kernel for both CP log-sum-exps", "one read of the logits for the head's three terms",
+           "the document tiles reused between the two CP flex calls")
+
+
+def changes(modes, tiles, card):
+    """{change: (kernels now, kernels after, (ms saved by the roofline, with launches))} on the card, for the three
+    changes the reading names. 1: one LSE-only FlexAttention kernel for both CP log-sum-exps over the document tiles
+    (the match set is a subset): forward one matmul a tile (Q K^T) reading q and k and writing two LSEs, backward
+    three (Q K^T, dQ, dK) reading q, k, both LSEs and their gradients and writing dq and dk, for the two ops' four
+    kernels and their delta kernels. 2: the head's three terms from one read of the bf16 logits forward, one read
+    and the gradient's one write backward, for CPLM's kernels over the (T, V) logits (the FP8 matmuls apart). 3: the
+    match mask's lists (both directions) made in one small kernel from the document mask's, which hold the same
+    tiles, for the kernels that build them again from the document ids."""
+    cplm = modes["CPLM"]["kernels"]
+    op = next(o for o in modes["CPLM"]["flex"] if o["role"] == "CP document mask")
+    T, Vp, nb = op["T"], modes["CPLM"]["vocab"], -(-op["T"] // tg.BLOCK)
+    one = [*flex_kernels(dict(op, backward=False), tiles["CP document mask"], matmuls=1, vectors=2, lses=2),
+           *flex_kernels(dict(op, backward=True), tiles["CP document mask"], matmuls=3, vectors=4, lses=4,
+                         delta=False)]
+    plain = lambda nbytes: dict(bytes=nbytes, flops=0, rate="bf16")  # noqa: E731
+    now = ([k for k in cplm if k["category"] == CATEGORIES[1] and k["what"].startswith("flex")],
+           [k for k in cplm if k.get("logits")],
+           [k for k in cplm if k.get("match_tiles")])
+    after = (one, [plain(2 * T * Vp), plain(4 * T * Vp)],
+             [plain(6 * (nb * nb + nb) * 4)])  # the four lists of the document mask read, the two written
+
+    def cost(kernels):
+        times = [seconds(k, card) for k in kernels]
+        return sum(times), sum(max(t, LAUNCH_FLOOR_S) for t in times)
+
+    out = {}
+    for name, old, new in zip(CHANGES, now, after):
+        (a, b), (c, d) = cost(old), cost(new if old else [])
+        out[name] = (len(old), len(new) if old else 0, (a - c, b - d))
+    return out
+
+
+def markdown(modes, tiles, T, wall_s, cards):
     gb, tf, ms = 1e9, 1e12, 1e3
-    lines = ["# CPLM's extra step time on an H200, estimated on a CPU (a roofline)", "",
+    names = " and ".join("an " + card.name.split()[0] for card in cards)
+    lines = [f"# CPLM's extra step time on {names}, estimated on a CPU (a roofline)", "",
              f"`python3 gpu_check/roofline.py > records/gpu/roofline.md` (torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d')}, {wall_s:.0f} s on 2 busy cores). The speedrun preset's training step, one "
              f"{T // 1024}Ki-token row on one GPU (forward, backward, optimizer), each kernel as inductor fuses it for "
              "the CUDA path (gpu_check/roofline.py's docstring says how, and what it cannot see). A kernel's time is "
-             f"max(bytes / {BANDWIDTH / 1e12:.1f} TB/s, FLOPs / rate): bf16 {BF16_FLOPS / tf:.0f} TFLOP/s, FP8 twice "
-             f"that, FlexAttention {FLEX_EFFICIENCY:.0%} of bf16's; 'with launches' puts a floor of "
-             f"{LAUNCH_FLOOR_S * 1e6:.0f} us under every kernel (the GPU waiting on the host's launches).", ""]
-    lines += ["## Both modes", "",
-              "| mode | kernels a step (forward, backward, optimizer) | HBM bytes | FLOPs | roofline | with launches |",
-              "|---|---|---|---|---|---|"]
-    for mode, m in modes.items():
-        t = totals(m["kernels"])
-        ob, of, ol, os_ = m["optimizer"]
-        by = collections.Counter(k["graph"] for k in m["kernels"])
-        lines.append(f"| {mode} | {by['forward']}, {by['backward']}, ~{ol} | {(t['bytes'] + ob) / gb:.1f} GB | "
-                     f"{(t['flops'] + of) / tf:.2f} T | {(t['seconds'] + os_) * ms:.1f} ms | "
-                     f"{(t['floored'] + os_ + ol * LAUNCH_FLOOR_S) * ms:.1f} ms |")
-    lines += ["", "Measured on the H200 (records/gpu/README.md): vanilla 99.8-107.5 ms a step, CPLM 102.4-111.7 ms, "
-              "CPLM / vanilla 1.03-1.04 (+2.6 to +4.2 ms).", "",
-              "## By part of the model (forward and backward; the optimizer apart)", "",
-              "| part | vanilla: kernels, GB, TFLOP, ms (with launches) | "
-              "CPLM: kernels, GB, TFLOP, ms (with launches) | CPLM - vanilla, ms (with launches) |",
-              "|---|---|---|---|"]
-    diff_total = diff_floored = 0.0
-    for cat in CATEGORIES:
-        cells, t = [], {}
+             "max(bytes / bandwidth, FLOPs / rate) on each card; 'with launches' puts a floor of "
+             f"{LAUNCH_FLOOR_S * 1e6:.0f} us under every kernel (the GPU waiting on the host's launches).", "",
+             "| card | HBM: spec, achievable (share) | bf16 GEMM | FP8 | FlexAttention | SMs |",
+             "|---|---|---|---|---|---|"]
+    for card in cards:
+        lines.append(f"| {card.name} | {card.spec_bandwidth / tf:.2f}, {card.bandwidth / tf:.2f} TB/s "
+                     f"({card.derating:.3f}) | {card.bf16 / tf:.1f} TFLOP/s | {card.fp8 / tf:.0f} TFLOP/s | "
+                     f"{FLEX_EFFICIENCY:.0%} of bf16's | {card.sms} |")
+    lines += ["", "Achievable bandwidth: BabelStream's Copy (an array read, one written) as Azure's "
+              "AI-benchmarking-guide publishes it for its ND H100 v5 (2.90 TB/s) and ND H200 v5 (4.01 TB/s) machines; "
+              "no bandwidth was measured for these records (the floors at other shares are below). bf16: the H200's "
+              "GEMM at 8192^3 in records/gpu/2026-12-04 (787-810 TFLOP/s); the H100's maximum achievable matmul FLOPS "
+              "in stas00/ml-engineering (794.5 TFLOP/s, torch 2.7, a search over shapes; the same table gives FP8 "
+              "1403 TFLOP/s on the H100 and 1453 on the H200, under twice bf16). FlexAttention's share is an "
+              "assumption (FlashAttention-2 reaches 35-50% of the bf16 rate for head dims 64-128 with causal "
+              "masks).", "",
+              "## The floor of a step, per card", "",
+              "| card | mode | kernels a step (forward, backward, optimizer) | HBM bytes | FLOPs | roofline | "
+              "with launches |", "|---|---|---|---|---|---|---|"]
+    for card in cards:
         for mode, m in modes.items():
-            t[mode] = totals([k for k in m["kernels"] if k["category"] == cat])
-            cells.append(f"{t[mode]['launches']}, {t[mode]['bytes'] / gb:.2f}, {t[mode]['flops'] / tf:.3f}, "
-                         f"{t[mode]['seconds'] * ms:.2f} ({t[mode]['floored'] * ms:.2f})")
-        d, df = t["CPLM"]["seconds"] - t["vanilla"]["seconds"], t["CPLM"]["floored"] - t["vanilla"]["floored"]
-        diff_total, diff_floored = diff_total + d, diff_floored + df
-        lines.append(f"| {cat} | {cells[0]} | {cells[1]} | {d * ms:+.2f} ({df * ms:+.2f}) |")
-    opt = modes["CPLM"]["optimizer"][3] - modes["vanilla"]["optimizer"][3]
-    lines.append(f"| optimizer (analytic) | | | {opt * ms:+.3f} |")
-    lines.append(f"| **all** | | | **{(diff_total + opt) * ms:+.2f} ({(diff_floored + opt) * ms:+.2f})** |")
+            t = totals(m["kernels"], card)
+            ob, of, ol = m["optimizer"]
+            by = collections.Counter(k["graph"] for k in m["kernels"])
+            roof, floored = step_floor(m, card)
+            lines.append(f"| {card.name} | {mode} | {by['forward']}, {by['backward']}, ~{ol} | "
+                         f"{(t['bytes'] + ob) / gb:.1f} GB | {(t['flops'] + of) / tf:.2f} T | {roof * ms:.1f} ms | "
+                         f"{floored * ms:.1f} ms |")
+        (vr, vf), (cr, cf) = step_floor(modes["vanilla"], card), step_floor(modes["CPLM"], card)
+        lines.append(f"| {card.name} | CPLM / vanilla | | | | {cr / vr:.4f} ({(cr - vr) * ms:+.2f} ms) | "
+                     f"{cf / vf:.4f} ({(cf - vf) * ms:+.2f} ms) |")
+    lines += ["", "Measured on the H200 (records/gpu/README.md): vanilla 99.8-107.5 ms a step, CPLM 102.4-111.7 ms, "
+              "CPLM / vanilla 1.03-1.04 (+2.6 to +4.2 ms). Not measured on an H100.", "",
+              "How the floors move with the bandwidth's share (the measured copy's share is the table's; 0.92: "
+              "torchao's roofline takes 92% for large pointwise Triton kernels on its H100s) and with FP8 at the "
+              "measured 1403 / 1453 TFLOP/s instead of twice bf16:", "",
+              "| bandwidth share | " + " | ".join(f"{card.name}: vanilla, CPLM, CPLM - vanilla (ms)" for card in cards)
+              + " |", "|---|" + "---|" * len(cards)]
+    variants = [("copy (the table's)", list(cards))]
+    variants += [(f"{share:.2f}", [card._replace(derating=share) for card in cards]) for share in (0.80, 0.92, 1.00)]
+    variants.append(("copy; FP8 as measured", [card._replace(fp8_rate=FP8_MEASURED[card.name]) for card in cards]))
+    for label, row_cards in variants:
+        cells = []
+        for card in row_cards:
+            v, c = (step_floor(modes[m], card)[0] for m in ("vanilla", "CPLM"))
+            cells.append(f"{v * ms:.1f}, {c * ms:.1f}, {(c - v) * ms:+.2f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "## By part of the model (forward and backward; the optimizer apart)", "",
+              "| part | vanilla: kernels, GB, TFLOP | CPLM: kernels, GB, TFLOP | "
+              + " | ".join(f"CPLM - vanilla on the {card.name.split()[0]}, ms (with launches)" for card in cards)
+              + " |",
+              "|---|---|---|" + "---|" * len(cards)]
+    diffs = [[0.0, 0.0] for _ in cards]
+    for cat in CATEGORIES:
+        cells, diff_cells = [], []
+        for mode, m in modes.items():
+            t = totals([k for k in m["kernels"] if k["category"] == cat], cards[0])
+            cells.append(f"{t['launches']}, {t['bytes'] / gb:.2f}, {t['flops'] / tf:.3f}")
+        for i, card in enumerate(cards):
+            v, c = (totals([k for k in modes[m]["kernels"] if k["category"] == cat], card) for m in ("vanilla", "CPLM"))
+            d, df = c["seconds"] - v["seconds"], c["floored"] - v["floored"]
+            diffs[i][0] += d
+            diffs[i][1] += df
+            diff_cells.append(f"{d * ms:+.2f} ({df * ms:+.2f})")
+        lines.append(f"| {cat} | {cells[0]} | {cells[1]} | " + " | ".join(diff_cells) + " |")
+    opt = [optimizer_seconds(modes["CPLM"]["optimizer"], card) - optimizer_seconds(modes["vanilla"]["optimizer"], card)
+           for card in cards]
+    lines.append("| optimizer (analytic) | | | " + " | ".join(f"{o * ms:+.3f}" for o in opt) + " |")
+    lines.append("| **all** | | | " + " | ".join(f"**{(d + o) * ms:+.2f} ({(df + o) * ms:+.2f})**"
+                                                for (d, df), o in zip(diffs, opt)) + " |")
+    lines += ["", "## The LM head's loss: its kernels over the (T, V) logits (the FP8 matmuls apart)", "",
+              f"The logits are {T} x {modes['CPLM']['vocab']} bf16 ({T * modes['CPLM']['vocab'] * 2 / gb:.2f} GB); "
+              "vanilla's loss is the record's `F.cross_entropy`, CPLM's `lm_head_terms`, each as inductor schedules it "
+              "for CUDA (its online softmax included).", "",
+              "| mode | graph | kernel | HBM bytes | " + " | ".join(f"{card.name.split()[0]} ms" for card in cards)
+              + " | FX nodes (first) |", "|---|---|---|---|" + "---|" * len(cards) + "---|"]
+    for mode, m in modes.items():
+        for k in m["kernels"]:
+            if k["category"] == CATEGORIES[0] and k.get("logits"):
+                lines.append(f"| {mode} | {k['graph']} | {k['what']} | {k['bytes'] / gb:.2f} GB | "
+                             + " | ".join(f"{seconds(k, card) * ms:.2f}" for card in cards) + f" | {k['name'][:60]} |")
+    lines += ["", "## The three changes the reading names: CPLM's step time each saves by this roofline", "",
+              "| change | kernels now, after | " + " | ".join(f"{card.name.split()[0]}: ms (with launches)"
+                                                           for card in cards) + " |", "|---|---|" + "---|" * len(cards)]
+    per_card = [changes(modes, tiles, card) for card in cards]
+    for name in per_card[0]:
+        now, after, _ = per_card[0][name]
+        lines.append(f"| {name} | {now}, {after} | " + " | ".join(
+            f"{c[name][2][0] * ms:.2f} ({c[name][2][1] * ms:.2f})" for c in per_card) + " |")
+    lines.append("| all three | | " + " | ".join(
+        f"{sum(v[2][0] for v in c.values()) * ms:.2f} ({sum(v[2][1] for v in c.values()) * ms:.2f})"
+        for c in per_card) + " |")
+    cells = []
+    for card, c in zip(cards, per_card):
+        (vr, vf), (cr, cf) = step_floor(modes["vanilla"], card), step_floor(modes["CPLM"], card)
+        sr, sf = (sum(v[2][i] for v in c.values()) for i in (0, 1))
+        cells.append(f"{(cr - sr) / vr:.4f} ({(cf - sf) / vf:.4f})")
+    lines.append("| CPLM / vanilla after all three | | " + " | ".join(cells) + " |")
     lines += ["", "## The CP head's FlexAttention ops and attention's, from their tiles", "",
               f"Tiles of 128 x 128 visited on a {T // 1024}Ki-token synthetic row (sum L^2 / T^2 as the GPU check's "
               "data); attention's windows averaged over the record's 1770 steps. A query block's tiles are one thread "
-              f"block's loop: an op takes at least its longest loop, however many of the {SMS} SMs are idle.", "",
+              f"block's loop: an op takes at least its longest loop, however many of the {cards[0].sms} SMs are "
+              "idle. Each backward starts with its delta kernel (counted here).", "",
               "| op | tiles a head (partial) | the longest loop (tiles) | heads x dim | "
-              "forward + backward: GB, TFLOP, ms | ms if balanced |", "|---|---|---|---|---|---|"]
+              "forward + backward: GB, TFLOP | "
+              + " | ".join(f"{card.name.split()[0]}: ms (if balanced)" for card in cards) + " |",
+              "|---|---|---|---|---|" + "---|" * len(cards)]
     flex = collections.OrderedDict()
     for k in modes["CPLM"]["kernels"]:
         if k["what"].startswith("flex"):
             flex.setdefault(k["name"], []).append(k)
     for role, ks in flex.items():
         H, d = (6, 128) if role.startswith("attention") else (1, 64)
-        n_ops = len(ks) // 2
-        balanced = sum(max(k["bytes"] / BANDWIDTH, k["flops"] / (FLEX_EFFICIENCY * BF16_FLOPS)) for k in ks)
-        lines.append(f"| {role} ({n_ops} layer{'s' if n_ops != 1 else ''}) | {ks[0]['tiles'][0]:.0f} "
-                     f"({ks[0]['tiles'][1]:.0f}) | {ks[0]['tiles'][2]:.0f} | {H} x {d} | "
-                     f"{sum(k['bytes'] for k in ks) / gb:.3f}, {sum(k['flops'] for k in ks) / tf:.3f}, "
-                     f"{sum(k['seconds'] for k in ks) * ms:.2f} | {balanced * ms:.2f} |")
-    cp = sorted((k for k in modes["CPLM"]["kernels"] if k["category"] == CATEGORIES[1]), key=lambda k: -k["seconds"])
+        n_ops = sum(1 for k in ks if k["what"] == "flex forward")
+        tiled = [k for k in ks if k.get("tiles")]
+        cells = []
+        for card in cards:
+            balanced = sum(max(k["bytes"] / card.bandwidth, k["flops"] / (FLEX_EFFICIENCY * card.bf16))
+                           if k.get("tiles") else seconds(k, card) for k in ks)
+            cells.append(f"{sum(seconds(k, card) for k in ks) * ms:.2f} ({balanced * ms:.2f})")
+        lines.append(f"| {role} ({n_ops} layer{'s' if n_ops != 1 else ''}) | {tiled[0]['tiles'][0]:.0f} "
+                     f"({tiled[0]['tiles'][1]:.0f}) | {tiled[0]['tiles'][2]:.0f} | {H} x {d} | "
+                     f"{sum(k['bytes'] for k in ks) / gb:.3f}, {sum(k['flops'] for k in ks) / tf:.3f} | "
+                     + " | ".join(cells) + " |")
+    cp = sorted((k for k in modes["CPLM"]["kernels"] if k["category"] == CATEGORIES[1]),
+                key=lambda k: -seconds(k, cards[-1]))
     lines += ["", f"## The CP head's kernels ({len(cp)}), by time", "",
-              "| graph | kernel | HBM bytes | FLOPs | roofline us | FX nodes (first) |", "|---|---|---|---|---|---|"]
+              "| graph | kernel | HBM bytes | FLOPs | " + " | ".join(f"{card.name.split()[0]} us" for card in cards)
+              + " | FX nodes (first) |", "|---|---|---|---|" + "---|" * len(cards) + "---|"]
     for k in cp[:25]:
         lines.append(f"| {k['graph']} | {k['what']} | {k['bytes'] / 1e6:.2f} MB | {k['flops'] / 1e9:.2f} G | "
-                     f"{k['seconds'] * 1e6:.1f} | {k['name'][:60]} |")
-    small = sum(1 for k in cp if k["seconds"] < LAUNCH_FLOOR_S)
+                     + " | ".join(f"{seconds(k, card) * 1e6:.1f}" for card in cards) + f" | {k['name'][:60]} |")
+    small = sum(1 for k in cp if seconds(k, cards[0]) < LAUNCH_FLOOR_S)
     lines += ["", f"{small} of the CP head's {len(cp)} kernels take under {LAUNCH_FLOOR_S * 1e6:.0f} us by the "
-              "roofline."]
+              f"{cards[0].name}'s roofline."]
     return "\n".join(lines)
 
 
-def main(argv=None):
+def parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq_len", type=int, default=48 * 1024, help="tokens in the row (the speedrun's 48Ki)")
-    args = p.parse_args(argv)
+    p.add_argument("--card", choices=(*CARDS, "both"), default="both", help="the card(s) whose roofline times it")
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    cards = list(CARDS.values()) if args.card == "both" else [CARDS[args.card]]
     t0 = time.perf_counter()
     modes, tiles = mode_table(args.seq_len)
-    print(markdown(modes, tiles, args.seq_len, time.perf_counter() - t0))
+    print(markdown(modes, tiles, args.seq_len, time.perf_counter() - t0, cards))
     return 0
 
 
