@@ -8,15 +8,16 @@ traced and pushed through inductor's own pipeline (compile_fx: decompositions, A
 passes, the partitioner, lowering) with its Triton code generator and FlexAttention's lowerings told the device is
 CUDA, as the pre-flight does, up to the scheduler: the kernels are inductor's fused nodes, each one Triton kernel
 or one library call (matmuls, sorts, the FP8 head's ops), with the bytes each reads and writes from memory (by
-inductor's own rule, per fused part: moved_bytes) and the FLOPs of its matmuls. The one post-grad rewrite inductor
-keeps for CUDA graphs that the loss depends on, the online softmax (a row's max and sum of exponentials in one pass),
-is applied as on CUDA. The FlexAttention ops are counted from their tiles: the 128 x 128 (query, key) tiles each
-visits on a representative row (gpu_check/prepare_gpu_data.synthetic_tokens, the GPU check's data: documents of
-~1140 tokens), the attention windows averaged over the record's schedule; what they read stays in the graph (a
-stand-in that read nothing let inductor drop the matmul that makes attention's output gradient). Each kernel is
-then timed by the roofline of each card (CARDS: an achievable bandwidth and GEMM rate, not the spec sheet's), with
-a floor per launch. What it cannot see: the CPU's scheduling differs from sm_90's in a few more heuristics
-(reduction splits, reductions of two loop orders fused), cuBLAS and FlexAttention reach a fraction of the roofline
+inductor's own rule, per fused part: moved_bytes) and the FLOPs of its matmuls; inductor's decisions that ask
+whether a node is on a CPU are answered as on CUDA, and its online softmax (a row's max and sum of exponentials in
+one pass, a rewrite it makes for CUDA graphs only) is applied (decisions_as_on_cuda). The FlexAttention ops are
+counted from their tiles: the 128 x 128 (query, key) tiles each visits on a representative row
+(gpu_check/prepare_gpu_data.synthetic_tokens, the GPU check's data: documents of ~1140 tokens), the attention
+windows averaged over the record's schedule; what they read stays in the graph (a stand-in that read nothing let
+inductor drop the matmul that makes attention's output gradient). Each kernel is then timed by the roofline of each
+card (CARDS: an achievable bandwidth and GEMM rate, not the spec sheet's), with a floor per launch. What it cannot
+see: the CPU's scheduling differs from sm_90's in a few more heuristics (how reductions are split, loop orders
+normalised, matmuls with a dimension of 1 decomposed), cuBLAS and FlexAttention reach a fraction of the roofline
 (assumed below), caches, the host; the optimizer's Adam and Muon's eager steps are counted from the parameters'
 sizes, not read.
 """
