@@ -85,7 +85,8 @@ if [ "${1:-}" = test ]; then  # -rs: each skipped test says why, and what enable
     shift
     exec "$PYTHON" -m pytest -q -rs test_cplm.py test_cli.py test_run_files.py test_data.py test_experiments.py \
         test_compare.py test_inference.py test_mechanism.py test_baselines.py test_test_slice.py test_gpu_preflight.py \
-        test_gpu_kernels.py test_gpu_interpreter.py test_gpu_interleaved.py test_gpu_roofline.py test_race.py "$@"
+        test_gpu_kernels.py test_gpu_interpreter.py test_gpu_interleaved.py test_gpu_roofline.py test_race.py \
+        test_imports.py "$@"
 fi
 
 race=race_$(date +%Y%m%d_%H%M%S)_$$
@@ -99,7 +100,7 @@ if [ "${1:-}" = race ]; then  # on any machine: tools/run_race.py's own argument
     exec "$PYTHON" tools/run_race.py --out "logs/$race" "$@"
 fi
 
-if [ "$gpus" -gt 0 ]; then  # (a CPU build of torch on a GPU machine runs the race)
+if [ "$gpus" -gt 0 ]; then  # GPUs torch can use (a CPU build of torch sees none: the CPU race below)
     "$PYTHON" data/cached_fineweb10B.py 10  # skips the shards already present
     exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$gpus" train_gpt_cplm.py "$@"
 fi

@@ -491,8 +491,8 @@ class CopyPasteHead(nn.Module):
     def __init__(self, dim, cp_dim):
         super().__init__()
         # W_Q starts at zero, as the record's output projections do: the CP head then sends the backbone an exact
-        # zero at step 0, as vanilla's zero LM head does. A random W_Q sent it rounding noise (~1e-10) along the
-        # directions RMSnorm ignores; Adam (eps 1e-10) made full-size steps of it, which differed by thread count
+        # zero at step 0, as vanilla's zero LM head does, not rounding noise (~1e-10) along the directions RMSnorm
+        # ignores, which Adam (eps 1e-10) would turn into full-size steps that depend on the thread count
         self.w_q = CastedLinear(dim, cp_dim, zero_init=True)
         self.w_k = CastedLinear(dim, cp_dim)
         self.sink_key = nn.Parameter(torch.zeros(cp_dim))
