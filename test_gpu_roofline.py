@@ -1,6 +1,7 @@
 """gpu_check/roofline.py, read on a small model: the kernels inductor fuses for each mode's training step on the
 CUDA path, each put in the part of the model it computes, with its bytes and FLOPs, timed by each card's roofline.
-records/gpu/roofline.md is the same reading at the speedrun's size."""
+records/gpu/roofline.md is the same reading at the speedrun's size, records/one_gpu_race/roofline_gpu1.md at the
+one-GPU race's (--preset gpu1)."""
 import os
 import sys
 
@@ -143,3 +144,33 @@ def test_the_representative_row_visits_whole_documents_for_the_cp_head():
     assert tiles["CP document mask"][0] > tiles["attention long"][0] > tiles["attention short"][0] > 0
     assert tiles["CP match mask"][:2] == (tiles["CP document mask"][0],) * 2
     assert tiles["CP document mask"][1] < tiles["CP document mask"][0]
+
+
+def test_a_preset_sets_the_model_row_and_schedule_it_reads(kernels, tiles):
+    """--preset gpu1 reads the one-GPU race's model (4 x 768, attention in every layer: 2 of 4 layers long, as
+    window_pattern), its 32Ki-token row and its 500-step schedule; the speedrun's 12 layers without layer 7 have 3
+    long of 11. A shape the model cannot take is a one-line error. The report names the preset and its shape
+    (records/one_gpu_race/roofline_gpu1.md is that report at gpu1's size)."""
+    def roles(**config):
+        layers = config.get("num_layers", 12)
+        n = layers - (0 <= config.get("no_attention_layer", 7) < layers)  # layers with attention
+        flex = [dict(role="attention", backward=b) for b in (False,) * n + (True,) * n]
+        found = [op["role"].split()[1] for op in roofline.attention_windows(flex, **config)]
+        return found[:n], found[n:]
+    gpu1 = roofline.hyperparameters(roofline.parser().parse_args(["--preset", "gpu1"]))
+    assert (gpu1.seq_len, gpu1.num_iterations) == (32 * 1024, 500)
+    assert roofline.model_config(gpu1) == dict(num_layers=4, model_dim=768, num_heads=6, no_attention_layer=-1,
+                                               cp_dim=64)
+    assert roles(**roofline.model_config(gpu1)) == (["long", "short", "short", "long"],) * 2
+    forward, backward = roles()
+    assert forward.count("long") == 3 and len(forward) == 11 and backward == forward[::-1]
+    assert roofline.hyperparameters(roofline.parser().parse_args(
+        ["--preset", "gpu1", "--num_layers", "6", "--no_attention_layer", "2"])).num_layers == 6
+    for bad in (["--num_layers", "3"], ["--no_attention_layer", "12"], ["--seq_len", "1000"]):
+        with pytest.raises(ValueError):
+            roofline.hyperparameters(roofline.parser().parse_args(bad))
+    modes = {name: dict(kernels=found, flex=flex, optimizer=(0, 0, 0), vocab=VOCAB)
+             for name, (found, flex) in zip(("vanilla", "CPLM"), (kernels[0], kernels[1]))}
+    report = roofline.markdown(modes, tiles, T, 0.0, list(roofline.CARDS.values()), a=gpu1, command="CMD")
+    assert "`CMD`" in report and "The gpu1 preset's training step (4 x 768, 6 heads, attention in every layer)" \
+        in report and "the gpu1 preset's 500 steps" in report and "Not measured at this size" in report

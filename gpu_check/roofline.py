@@ -1,7 +1,14 @@
 """Where CPLM's extra step time should go on an H100 and an H200, estimated on a CPU: a roofline over every kernel of
-both modes' compiled training step (the speedrun preset, one 48Ki-token row, forward and backward) and the optimizer's.
+both modes' compiled training step (a preset's model, one row, forward and backward) and the optimizer's.
 
-    python3 gpu_check/roofline.py > records/gpu/roofline.md      # about 5 minutes on 2 busy cores; no Triton needed
+    python3 gpu_check/roofline.py > records/gpu/roofline.md      # the speedrun preset: 12 x 768, one 48Ki-token row;
+                                                                 # about 2 minutes on 2 busy cores; no Triton needed
+    python3 gpu_check/roofline.py --preset gpu1 > records/one_gpu_race/roofline_gpu1.md   # the one-GPU race's model:
+                                                                 # 4 x 768, attention in every layer, one 32Ki row;
+                                                                 # about 1 minute
+
+--preset takes train_gpt_cplm's preset (its model's shape, its row and its schedule, which sets the attention
+windows averaged over); --num_layers, --no_attention_layer and --seq_len change it.
 
 How: each mode's model as CUDA holds it (preflight.cuda_path_model: FP8 head, bf16 embeddings, FlexAttention) is
 traced and pushed through inductor's own pipeline (compile_fx: decompositions, AOT autograd, the joint graph's
@@ -13,7 +20,7 @@ whether a node is on a CPU are answered as on CUDA, and its online softmax (a ro
 one pass, a rewrite it makes for CUDA graphs only) is applied (decisions_as_on_cuda). The FlexAttention ops are
 counted from their tiles: the 128 x 128 (query, key) tiles each visits on a representative row
 (gpu_check/prepare_gpu_data.synthetic_tokens, the GPU check's data: documents of ~1140 tokens), the attention
-windows averaged over the record's schedule; what they read stays in the graph (a stand-in that read nothing let
+windows averaged over the preset's schedule; what they read stays in the graph (a stand-in that read nothing let
 inductor drop the matmul that makes attention's output gradient). Each kernel is then timed by the roofline of each
 card (CARDS: an achievable bandwidth and GEMM rate, not the spec sheet's), with a floor per launch. What it cannot
 see: the CPU's scheduling differs from sm_90's in a few more heuristics (how reductions are split, loop orders
@@ -24,9 +31,11 @@ sizes, not read.
 import argparse
 import collections
 import contextlib
+import dataclasses
 import math
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -80,6 +89,24 @@ FLEX_EFFICIENCY = 0.4  # FlexAttention's share of the bf16 rate (FlashAttention-
 # 64-128 with causal masks; FlexAttention about 90% of it): an assumption, not a measurement
 LAUNCH_FLOOR_S = 5e-6  # a kernel's least time on the GPU's timeline when the host launches them one by one
 CATEGORIES = ("LM head and loss", "CP head and mixture", "attention", "MLP", "other: embeddings, norms, residual")
+SHAPE = ("num_layers", "model_dim", "num_heads", "no_attention_layer", "cp_dim")  # the model's fields a preset sets
+RECORDS = {"speedrun": "records/gpu/roofline.md", "gpu1": "records/one_gpu_race/roofline_gpu1.md"}
+
+
+def preset_hyperparameters(preset="speedrun", **overrides):
+    """train_gpt_cplm's Hyperparameters of a preset (its model's shape, its row, its schedule), overrides on top."""
+    return dataclasses.replace(tg.Hyperparameters(), **{**tg.PRESETS[preset], **overrides, "preset": preset})
+
+
+def model_config(a):
+    """GPTConfig's fields of the model's shape, from Hyperparameters."""
+    return {name: getattr(a, name) for name in SHAPE}
+
+
+def shape_words(a):
+    attention = "attention in every layer" if not 0 <= a.no_attention_layer < a.num_layers else \
+        f"no attention in layer {a.no_attention_layer}"
+    return f"{a.num_layers} x {a.model_dim}, {a.num_heads} heads, {attention}"
 
 
 class _Scheduled(Exception):
@@ -365,11 +392,12 @@ def step_kernels(cplm, T, **config):
                                  torch.tensor(14, dtype=torch.int32)), vocab=model.config.padded_vocab)
 
 
-def representative_tiles(T, seed=0):
+def representative_tiles(T, seed=0, a=None):
     """Tiles a FlexAttention op visits on a synthetic row like the GPU check's (documents of ~1140 tokens, up to
-    16Ki): the long and short attention windows averaged over the record's schedule (1 -> 14 blocks), the CP head's
-    masks (whole documents, no window). Per op: (tiles, of them partial, the most one query block visits). A
-    query block's tiles are one thread block's loop, in order: the longest loop bounds the kernel however many SMs."""
+    16Ki): the long and short attention windows averaged over the schedule of a (Hyperparameters; the record's
+    by default: 1 -> 14 blocks over 1770 steps), the CP head's masks (whole documents, no window). Per op: (tiles,
+    of them partial, the most one query block visits). A query block's tiles are one thread block's loop, in order:
+    the longest loop bounds the kernel however many SMs."""
     tokens = synthetic_tokens(T + 1, np.random.default_rng(seed))
     ids = torch.from_numpy(tokens[:T].astype(np.int64))[None]
     doc_ids = tg.doc_ids_of(ids, 50256)
@@ -379,7 +407,7 @@ def representative_tiles(T, seed=0):
         (p_count, _), (f_count, _) = tg.within_window(tiles, window)
         return int(p_count.sum() + f_count.sum()), int(p_count.sum()), int((p_count + f_count).max())
 
-    a = tg.Hyperparameters()  # the record's schedule
+    a = a or tg.Hyperparameters()  # the record's schedule
     steps = a.num_iterations
     schedule = collections.Counter(tg.window_blocks(s, a) for s in range(steps))
     mean = {}
@@ -406,7 +434,7 @@ def flex_kernels(op, tiles, matmuls=None, vectors=None, lses=None, delta=None):
     kernel = dict(graph=op["graph"], what="flex " + ("backward" if backward else "forward"),
                   category=CATEGORIES[1] if op["role"].startswith("CP") else CATEGORIES[2],
                   bytes=vectors * vector + lses * lse, flops=tile_flops * tiles[0] * op["H"], rate="flex",
-                  name=op["role"], tiles=tiles, heads=op["H"], tile_flops=tile_flops)
+                  name=op["role"], tiles=tiles, heads=op["H"], dim=op["d"], tile_flops=tile_flops)
     if not (backward if delta is None else delta):
         return [kernel]
     return [dict(kernel, what="flex delta", bytes=2 * vector + lse, flops=0, rate="bf16", tiles=None), kernel]
@@ -423,15 +451,17 @@ def seconds(k, card):
     return max(k["bytes"] / card.bandwidth, k["flops"] / (card.fp8 if k["rate"] == "fp8" else card.bf16))
 
 
-def optimizer_cost(cplm):
+def optimizer_cost(cplm, a=None):
     """(bytes, FLOPs, launches) of the optimizer step as build_optimizers sets it up on CUDA. Muon, per matrix:
     Newton-Schulz compiled as on CUDA (bf16; its kernels read at the scheduler like the model's, once per shape) and
     three eager kernels (the momentum's two lerps and the update: 36 bytes a parameter). Adam, fused: each parameter,
     its gradient and two moments read, three written, in the parameter's dtype (the embeddings bf16 on CUDA), about
-    one launch a parameter group. The same in both modes but for the CP head's two matrices (Adam's)."""
+    one launch a parameter group. The same in both modes but for the CP head's two matrices (Adam's). a:
+    Hyperparameters (the model's shape, the optimizers' settings); the speedrun preset's by default."""
+    a = dataclasses.replace(a or tg.Hyperparameters(), cplm=cplm)
     with torch.device("meta"):
-        model = tg.GPT(tg.GPTConfig(cplm=cplm, fp8_head=1))
-    adam, muon = tg.build_optimizers(model, tg.Hyperparameters(cplm=cplm), 0, 1)
+        model = tg.GPT(tg.GPTConfig(cplm=cplm, fp8_head=1, **model_config(a)))
+    adam, muon = tg.build_optimizers(model, a, 0, 1)
     embeddings = {id(model.embed.weight)} | {id(e.weight) for e in model.value_embeds}
     nbytes = sum(7 * (2 if id(p) in embeddings else 4) * p.numel() for g in adam.param_groups for p in g["params"])
     flops, launches = 0, len(adam.param_groups)
@@ -449,28 +479,41 @@ def optimizer_seconds(optimizer, card):
     return max(nbytes / card.bandwidth, flops / card.bf16)
 
 
+def attention_windows(flex, **config):
+    """Each attention op's role, long or short window, as window_pattern gives its layer (config: GPTConfig's fields;
+    the record: 3 of its 11 layers with attention long, gpu1 2 of 4): forward ops in the layers' order, backward ops
+    in reverse. Which op is which matters only for its tiles."""
+    shape = tg.GPTConfig(**config)
+    long = [w for i, w in enumerate(tg.window_pattern(shape.num_layers)) if i != shape.no_attention_layer]
+    attention = [op for op in flex if op["role"] in ("attention", "attention long", "attention short")]
+    for direction in (False, True):
+        ops = [op for op in attention if op["backward"] == direction]
+        assert len(ops) == len(long), (len(ops), len(long))
+        for op, is_long in zip(ops, long[::-1] if direction else long):
+            op["role"] = "attention long" if is_long else "attention short"
+    return flex
+
+
 def mode_kernels(cplm, T, tiles, **config):
     """([Kernel], [flex op]) of one mode's step (config: GPTConfig's fields): the kernels read at the scheduler,
     then its FlexAttention ops' kernels from their tiles."""
     kernels, flex = step_kernels(cplm, T, **config)
-    attention = [op for op in flex if op["role"] == "attention"]
-    for direction in (False, True):  # 3 long-window layers of the 11 with attention, 8 short, as window_pattern
-        ops = [op for op in attention if op["backward"] == direction]
-        for i, op in enumerate(ops):
-            op["role"] = "attention long" if i < len(ops) * 3 // 11 else "attention short"
+    attention_windows(flex, **config)
     for op in flex:
         kernels.extend(flex_kernels(op, tiles[op["role"]]))
     return kernels, flex
 
 
-def mode_table(T):
-    """Per mode: its kernels (with the flex ops' kernels), its flex ops and the optimizer's cost."""
-    tiles = representative_tiles(T)
+def mode_table(T, a=None):
+    """Per mode: its kernels (with the flex ops' kernels), its flex ops and the optimizer's cost, for the model and
+    schedule of a (Hyperparameters; the speedrun preset's by default) at T tokens a row."""
+    a = a or tg.Hyperparameters()
+    tiles = representative_tiles(T, a=a)
     out = {}
     for cplm in (0, 1):
         t0 = time.perf_counter()
-        kernels, flex = mode_kernels(cplm, T, tiles)
-        out["CPLM" if cplm else "vanilla"] = dict(kernels=kernels, flex=flex, optimizer=optimizer_cost(cplm),
+        kernels, flex = mode_kernels(cplm, T, tiles, **model_config(a))
+        out["CPLM" if cplm else "vanilla"] = dict(kernels=kernels, flex=flex, optimizer=optimizer_cost(cplm, a),
                                                   vocab=tg.GPTConfig().padded_vocab, seconds=time.perf_counter() - t0)
     return out, tiles
 
@@ -525,12 +568,18 @@ def changes(modes, tiles, card):
     return out
 
 
-def markdown(modes, tiles, T, wall_s, cards):
+def markdown(modes, tiles, T, wall_s, cards, a=None, command=None):
+    """The report: a (Hyperparameters) the model's and schedule's preset (the speedrun's by default), command the
+    one that made it."""
     gb, tf, ms = 1e9, 1e12, 1e3
+    a = a or tg.Hyperparameters(preset="speedrun")
+    command = command or f"python3 gpu_check/roofline.py > {RECORDS['speedrun']}"
     names = " and ".join("an " + card.name.split()[0] for card in cards)
-    lines = [f"# CPLM's extra step time on {names}, estimated on a CPU (a roofline)", "",
-             f"`python3 gpu_check/roofline.py > records/gpu/roofline.md` (torch {torch.__version__}, "
-             f"{time.strftime('%Y-%m-%d')}, {wall_s:.0f} s on 2 busy cores). The speedrun preset's training step, one "
+    lines = [f"# CPLM's extra step time on {names}, estimated on a CPU (a roofline"
+             + ("" if a.preset == "speedrun" else f" of the {a.preset} preset") + ")", "",
+             f"`{command}` (torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d')}, {wall_s:.0f} s on 2 busy cores). The {a.preset} preset's training step "
+             f"({shape_words(a)}), one "
              f"{T // 1024}Ki-token row on one GPU (forward, backward, optimizer), each kernel as inductor fuses it for "
              "the CUDA path (gpu_check/roofline.py's docstring says how, and what it cannot see). A kernel's time is "
              "max(bytes / bandwidth, FLOPs / rate) on each card; 'with launches' puts a floor of "
@@ -564,8 +613,11 @@ def markdown(modes, tiles, T, wall_s, cards):
         (vr, vf), (cr, cf) = step_floor(modes["vanilla"], card), step_floor(modes["CPLM"], card)
         lines.append(f"| {card.name} | CPLM / vanilla | | | | {cr / vr:.4f} ({(cr - vr) * ms:+.2f} ms) | "
                      f"{cf / vf:.4f} ({(cf - vf) * ms:+.2f} ms) |")
+    record = a.preset == "speedrun" and T == 48 * 1024 and model_config(a) == model_config(tg.Hyperparameters())
     lines += ["", "Measured on the H200 (records/gpu/README.md): vanilla 99.8-107.5 ms a step, CPLM 102.4-111.7 ms, "
-              "CPLM / vanilla 1.03-1.04 (+2.6 to +4.2 ms). Not measured on an H100.", "",
+              "CPLM / vanilla 1.03-1.04 (+2.6 to +4.2 ms). Not measured on an H100." if record else
+              "Not measured at this size: the step times measured on the H200 (records/gpu/README.md) are the "
+              "speedrun preset's (12 x 768, one 48Ki-token row).", "",
               "How the floors move with the bandwidth's share (the measured copy's share is the table's; 0.92: "
               "torchao's roofline takes 92% for large pointwise Triton kernels on its H100s) and with FP8 at the "
               "measured 1403 / 1453 TFLOP/s instead of twice bf16:", "",
@@ -580,6 +632,22 @@ def markdown(modes, tiles, T, wall_s, cards):
             v, c = (step_floor(modes[m], card)[0] for m in ("vanilla", "CPLM"))
             cells.append(f"{v * ms:.1f}, {c * ms:.1f}, {(c - v) * ms:+.2f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "## The floor by part of the model, per card (forward and backward; the optimizer analytic)", "",
+              "| part | " + " | ".join(f"{card.name.split()[0]}: vanilla, CPLM, ms (with launches)" for card in cards)
+              + " |", "|---|" + "---|" * len(cards)]
+    for cat in CATEGORIES:
+        cells = []
+        for card in cards:
+            v, c = (totals([k for k in modes[m]["kernels"] if k["category"] == cat], card) for m in ("vanilla", "CPLM"))
+            cells.append(f"{v['seconds'] * ms:.2f}, {c['seconds'] * ms:.2f} ({v['floored'] * ms:.2f}, "
+                         f"{c['floored'] * ms:.2f})")
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    cells = []
+    for card in cards:
+        v, c = (optimizer_seconds(modes[m]["optimizer"], card) for m in ("vanilla", "CPLM"))
+        nv, nc = (modes[m]["optimizer"][2] * LAUNCH_FLOOR_S for m in ("vanilla", "CPLM"))
+        cells.append(f"{v * ms:.2f}, {c * ms:.2f} ({(v + nv) * ms:.2f}, {(c + nc) * ms:.2f})")
+    lines.append("| optimizer (analytic) | " + " | ".join(cells) + " |")
     lines += ["", "## By part of the model (forward and backward; the optimizer apart)", "",
               "| part | vanilla: kernels, GB, TFLOP | CPLM: kernels, GB, TFLOP | "
               + " | ".join(f"CPLM - vanilla on the {card.name.split()[0]}, ms (with launches)" for card in cards)
@@ -633,7 +701,8 @@ def markdown(modes, tiles, T, wall_s, cards):
     lines.append("| CPLM / vanilla after all three | | " + " | ".join(cells) + " |")
     lines += ["", "## The CP head's FlexAttention ops and attention's, from their tiles", "",
               f"Tiles of 128 x 128 visited on a {T // 1024}Ki-token synthetic row (sum L^2 / T^2 as the GPU check's "
-              "data); attention's windows averaged over the record's 1770 steps. A query block's tiles are one thread "
+              f"data); attention's windows averaged over the {a.preset} preset's {a.num_iterations} steps "
+              f"({a.attn_window_start} -> {a.attn_window} tokens). A query block's tiles are one thread "
               f"block's loop: an op takes at least its longest loop, however many of the {cards[0].sms} SMs are "
               "idle. Each backward starts with its delta kernel (counted here).", "",
               "| op | tiles a head (partial) | the longest loop (tiles) | heads x dim | "
@@ -645,9 +714,9 @@ def markdown(modes, tiles, T, wall_s, cards):
         if k["what"].startswith("flex"):
             flex.setdefault(k["name"], []).append(k)
     for role, ks in flex.items():
-        H, d = (6, 128) if role.startswith("attention") else (1, 64)
         n_ops = sum(1 for k in ks if k["what"] == "flex forward")
         tiled = [k for k in ks if k.get("tiles")]
+        H, d = tiled[0]["heads"], tiled[0]["dim"]
         cells = []
         for card in cards:
             balanced = sum(max(k["bytes"] / card.bandwidth, k["flops"] / (FLEX_EFFICIENCY * card.bf16))
@@ -673,17 +742,45 @@ def markdown(modes, tiles, T, wall_s, cards):
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq_len", type=int, default=48 * 1024, help="tokens in the row (the speedrun's 48Ki)")
+    p.add_argument("--preset", choices=tuple(RECORDS), default="speedrun",
+                   help="train_gpt_cplm's preset whose model, row and schedule it reads (speedrun: 12 x 768, 48Ki "
+                        "tokens; gpu1, the one-GPU race's: 4 x 768, attention in every layer, 32Ki)")
+    p.add_argument("--seq_len", type=int, default=None, help="tokens in the row (default: the preset's)")
+    p.add_argument("--num_layers", type=int, default=None, help="transformer blocks (default: the preset's)")
+    p.add_argument("--no_attention_layer", type=int, default=None,
+                   help="the layer with an MLP only, -1 none (default: the preset's)")
     p.add_argument("--card", choices=(*CARDS, "both"), default="both", help="the card(s) whose roofline times it")
     return p
 
 
+def hyperparameters(args):
+    """The preset's Hyperparameters with the command line's changes; a bad shape is a one-line error."""
+    given = {k: getattr(args, k) for k in ("seq_len", "num_layers", "no_attention_layer")
+             if getattr(args, k) is not None}
+    a = preset_hyperparameters(args.preset, **given)
+    if a.seq_len <= 0 or a.seq_len % tg.BLOCK:
+        raise ValueError(f"--seq_len must be a positive multiple of {tg.BLOCK}, not {a.seq_len}")
+    if a.num_layers < 2 or a.num_layers % 2 or a.no_attention_layer >= a.num_layers or a.no_attention_layer < -1:
+        raise ValueError(f"--num_layers must be even and >= 2 and --no_attention_layer -1 or below it, not "
+                         f"{a.num_layers} and {a.no_attention_layer}")
+    return a
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    try:
+        a = hyperparameters(args)
+    except ValueError as e:
+        print(f"roofline.py: error: {e}", file=sys.stderr)
+        return 2
     cards = list(CARDS.values()) if args.card == "both" else [CARDS[args.card]]
+    command = shlex.join(["python3", "gpu_check/roofline.py", *argv])
+    if [x for x in argv if x not in ("--preset", args.preset)] == []:  # the preset as recorded: where it is kept
+        command += f" > {RECORDS[args.preset]}"
     t0 = time.perf_counter()
-    modes, tiles = mode_table(args.seq_len)
-    print(markdown(modes, tiles, args.seq_len, time.perf_counter() - t0, cards))
+    modes, tiles = mode_table(a.seq_len, a)
+    print(markdown(modes, tiles, a.seq_len, time.perf_counter() - t0, cards, a=a, command=command))
     return 0
 
 
