@@ -420,6 +420,7 @@ def test_two_processes_equal_one_with_accumulation_and_warmup_changes_nothing(to
     assert "warm-up done: 2 steps" in open(tmp_path / "one.txt").read()
 
 
+@pytest.mark.slow  # over a minute on 2 cores (the default suite stays near 5 minutes): -m slow runs it
 def test_one_and_two_processes_agree_with_the_default_thread_counts(tmp_path):
     """Without OMP_NUM_THREADS a single process takes every core and each of two ranks half of them, so their
     sums split differently. Rows of 512 x 128 are summed in parallel, and at V = 8192 the closed gate (c = 1/V)

@@ -249,6 +249,7 @@ def test_first_call_dry_run_measures_everything_when_vanilla_hangs_in_its_timed_
     assert re.search(r"^timed rows: sum L\^2 / T\^2 = 0\.\d{3}", report, re.M)
 
 
+@pytest.mark.slow  # over a minute on 2 cores (the default suite stays near 5 minutes): -m slow runs it
 def test_first_call_dry_run_falls_back_to_separate_processes_when_the_ab_hangs(tmp_path):
     """Every other fault at once: the interleaved A/B hangs holding the GPU turn (killed past its turn), the device
     checks stall (killed at their limit), the reference check hangs on the GPU, CPLM (flex) fails before its warm-up

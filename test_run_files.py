@@ -72,6 +72,7 @@ def test_a_live_writers_temporary_checkpoint_stays_whatever_its_pid_says(tmp_pat
     assert seen == {"locked": True} and os.listdir(tmp_path / "run") == ["state_step000001.pt"]
 
 
+@pytest.mark.slow  # over a minute on 2 cores (the default suite stays near 5 minutes): -m slow runs it
 def test_ranks_that_see_different_shards_are_refused_together(tmp_path):
     """A hostile tester's: the same flags on two ranks, started in two folders whose relative globs find
     different shards (two nodes' local copies), trained to the end. The ranks' digest now covers the bytes."""
