@@ -69,6 +69,14 @@ def test_every_matmul_of_the_backbone_is_counted_and_flexattention_by_its_tiles(
     tile = 2 * 128 * 128 * 128
     assert [k["flops"] for k in roofline.flex_kernels(op, (10, 4, 3))] == [10 * 2 * 2 * tile]
     assert [k["flops"] for k in roofline.flex_kernels(dict(op, backward=True), (10, 4, 3))] == [0, 10 * 2 * 5 * tile]
+    # a value narrower than the queries (the CP head's 16-wide zero): P V, dP and dV at its width, and its bytes
+    narrow = dict(op, dv=16)
+    assert [k["flops"] for k in roofline.flex_kernels(narrow, (10, 4, 3))] == [10 * 2 * 2 * 128 * 128 * (128 + 16)]
+    assert roofline.flex_kernels(dict(narrow, backward=True), (10, 4, 3))[1]["flops"] == \
+        10 * 2 * 2 * 128 * 128 * (3 * 128 + 2 * 16)
+    assert roofline.flex_kernels(narrow, (10, 4, 3))[0]["bytes"] == T * 2 * 2 * (2 * 128 + 2 * 16) + T * 2 * 4
+    cp = [k for k in kernels[1][0] if k["what"] == "flex forward" and k["name"].startswith("CP")]
+    assert len(cp) == 2 and all(k["tile_flops"] == 2 * 128 * 128 * (64 + 16) for k in cp)  # read from the graph
     flex = [k for k in kernels[0][0] if k["what"] == "flex forward"]
     assert len(flex) == 2 and all(k["flops"] == k["tiles"][0] * 2 * 2 * tile for k in flex)
 

@@ -285,12 +285,12 @@ def _fp8_shapes(inner):
 def flex_op_of(fx_node, kind):
     """A FlexAttention op of the graph: its direction, head count and dim, and its role (attention, several heads of
     128; the CP head's one head of 64: its document mask, whose mask reads one tensor, or its match mask, four)."""
-    q = fx_node.args[0].meta["val"]
+    q, v = fx_node.args[0].meta["val"], fx_node.args[2].meta["val"]
     _, H, T, d = q.shape
     captured = len(fx_node.args[-1]) if isinstance(fx_node.args[-1], (list, tuple)) else 0
     role = "attention" if H > 1 or d != 64 else ("CP document mask" if captured == 1 else "CP match mask")
     backward = "backward" in str(fx_node.target)
-    return dict(graph=kind, role=role, backward=backward, H=int(H), T=int(T), d=int(d))
+    return dict(graph=kind, role=role, backward=backward, H=int(H), T=int(T), d=int(d), dv=int(v.shape[-1]))
 
 
 @contextlib.contextmanager
@@ -421,23 +421,28 @@ def representative_tiles(T, seed=0, a=None):
 
 def flex_kernels(op, tiles, matmuls=None, vectors=None, lses=None, delta=None):
     """The kernels of a FlexAttention op, from its tiles: per tile two matmuls forward (Q K^T, P V) and five backward
-    (Q K^T again, dP, dV, dQ, dK), 128 x 128 x d each; HBM bytes: q, k, v, the output and the LSE (forward), q, k,
-    v, the output's gradient, dq, dk, dv, the LSE and delta (backward), bf16; K and V re-read per tile from L2, not
+    (Q K^T again, dP, dV, dQ, dK), 128 x 128 x d each (x dv, the value's width, for P V, dP and dV); HBM bytes: q,
+    k, v, the output and the LSE (forward), q, k, v, the output's gradient, dq, dk, dv, the LSE and delta
+    (backward), bf16; K and V re-read per tile from L2, not
     HBM. The backward starts with its own kernel for delta (the row sums of the output times its gradient). matmuls,
     vectors, lses, delta: another kernel's (an LSE-only one). Timed by seconds()."""
     backward = op["backward"]
-    matmuls = matmuls or (5 if backward else 2)
-    vectors = vectors or (7 if backward else 4)
+    d, dv = op["d"], op.get("dv", op["d"])  # the value's width (the CP head's: 16, a zero) sets P V's, dP's, dV's
     lses = lses or (2 if backward else 1)
-    vector, lse = op["T"] * op["H"] * op["d"] * 2, op["T"] * op["H"] * 4
-    tile_flops = matmuls * 2 * 128 * 128 * op["d"]
+    row, lse = op["T"] * op["H"] * 2, op["T"] * op["H"] * 4  # bytes of one bf16 column a head; an LSE row
+    if matmuls is None:  # forward Q K^T (d), P V (dv); backward Q K^T, dQ, dK (d), dP, dV (dv)
+        tile_flops = 2 * 128 * 128 * ((3 * d + 2 * dv) if backward else (d + dv))
+    else:  # an LSE-only kernel's: every matmul d wide
+        tile_flops = matmuls * 2 * 128 * 128 * d
+    # forward q, k (d wide), v, the output (dv); backward q, k, dq, dk (d) and v, the output's gradient, dv (dv)
+    moved = vectors * d * row if vectors is not None else row * ((4 * d + 3 * dv) if backward else (2 * d + 2 * dv))
     kernel = dict(graph=op["graph"], what="flex " + ("backward" if backward else "forward"),
                   category=CATEGORIES[1] if op["role"].startswith("CP") else CATEGORIES[2],
-                  bytes=vectors * vector + lses * lse, flops=tile_flops * tiles[0] * op["H"], rate="flex",
+                  bytes=moved + lses * lse, flops=tile_flops * tiles[0] * op["H"], rate="flex",
                   name=op["role"], tiles=tiles, heads=op["H"], dim=op["d"], tile_flops=tile_flops)
     if not (backward if delta is None else delta):
         return [kernel]
-    return [dict(kernel, what="flex delta", bytes=2 * vector + lse, flops=0, rate="bf16", tiles=None), kernel]
+    return [dict(kernel, what="flex delta", bytes=2 * dv * row + lse, flops=0, rate="bf16", tiles=None), kernel]
 
 
 def seconds(k, card):

@@ -562,7 +562,7 @@ CARDS = {
     "h200": dict(name="one H200 (141 GB)", memory_gib=139.8, vanilla_step_ms=36.6),  # 22.9 ms x 1.6
     "h100": dict(name="one H100 SXM (80 GB)", memory_gib=79.1, vanilla_step_ms=43.4),  # 27.1 ms x 1.6
 }
-# cp_step_ratio: the roofline's at gpu1's size is 1.025 (H200) and 1.023 (H100); the upper bound used is the H200's
+# cp_step_ratio: the roofline's at gpu1's size is 1.019 (H200) and 1.017 (H100); the upper bound used is the H200's
 # measured CPLM extra at the speedrun's size (+2.6 to +4.2 ms a 48Ki row) times 32/48 for the shorter row (the CP
 # head's work grows with the row, not the depth): 1.7-2.8 ms of 36.6, 1.05-1.08
 ASSUMED = dict(cp_step_ratio=1.08,
