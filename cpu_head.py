@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 
 # train_gpt_cplm.py's soft_cap and vanilla_nll, the record's formulas, restated so that this file imports nothing
-# from the script that imports it (test_cplm.py checks the two pairs agree bit for bit)
+# from the script that imports it (test_imports.py checks the two pairs agree bit for bit)
 def soft_cap(u, cap):
     return 2 * cap * torch.sigmoid(u.float() / (cap / 2)) if cap > 0 else u.float()
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from train_gpt_cplm import (ATTN_SCALE, BLOCK, CausalSelfAttention, DataError, GPT, GPTConfig, Hyperparameters,
                             Rotary, UsageError, check_args, norm, read_checkpoint)
+import run_files
 from cpu_head import EagerCPUHeadLoss
 
 
@@ -68,6 +69,14 @@ def check_settings(path, a, step, weights):
         raise DataError(f"{path}: its hyperparameters (vocab_size {a.vocab_size}, model_dim {a.model_dim}, num_layers "
                         f"{a.num_layers}) do not describe its weights (embed "
                         f"{tuple(embed.shape) if embed is not None else 'missing'}, {len(blocks)} blocks)")
+    # every attention layer's rotary tables (cos and sin, float32) are as long as its longest row: a seq_len that
+    # check_args lets through (2^24) over 12 layers of 64-wide heads is 48 GiB before a weight is read
+    rows = max(a.seq_len, a.val_seq_len)
+    rotary = a.num_layers * rows * (a.model_dim // a.num_heads) * 4
+    have = run_files.machine_memory()
+    if have and rotary > have / 2:
+        raise DataError(f"{path}: its rows of {rows} tokens need {rotary / 2 ** 30:.1f} GiB of rotary tables, more "
+                        f"than half this machine's {have / 2 ** 30:.1f} GiB")
 
 
 def load_model(path, device="cpu", max_seq_len=0):

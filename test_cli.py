@@ -336,6 +336,16 @@ def test_a_usage_error_under_torchrun_is_said_once(toy_data, tmp_path):
     assert r.returncode != 0 and r.stderr.count("--cplm must be 0 or 1") == 1
 
 
+def test_a_rank_set_without_torchrun_says_its_error_itself():
+    """A process given RANK > 0 by its environment (a cluster's or a container's), not by torchrun, has no rank 0
+    to speak for it: it says its error at once (it once waited a silent minute)."""
+    env = {**os.environ, "RANK": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    r = subprocess.run([sys.executable, SCRIPT, "--num_iterations", "-5"], capture_output=True, text=True,
+                       timeout=50, cwd=ROOT, env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--num_iterations" in r.stderr, r.stderr
+
+
 def test_a_refused_start_under_torchrun_ends_at_once(toy_data, tmp_path):
     """A hostile tester's: only rank 0 checked the log's name, so rank 1 waited in the rendezvous until torchrun
     killed it (~33 s). Every rank now makes the read-only checks and refuses at once."""

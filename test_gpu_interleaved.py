@@ -100,7 +100,7 @@ def test_the_phase_table_gives_each_phase_its_difference_and_splits_cplms_extra(
     R = 200
     base = {"forward": 10.0, "backward": 20.0, "optimizer": 5.0}
     extra = {"vanilla": {}, "cplm_loss": {"forward": 0.5}, "cplm": {"forward": 1.0, "backward": 1.5}}
-    phases = {m: {ph: [(base[ph] + e.get(ph, 0) + rng.normal(0, 0.2), 1.0) for _ in range(R)] for ph in base}
+    phases = {m: {ph: [(base[ph] + e.get(ph, 0) + rng.normal(0, 0.2), 1.0, 0) for _ in range(R)] for ph in base}
               for m, e in extra.items()}
     lines = interleaved.phase_lines(["vanilla", "cplm_loss", "cplm"], phases, interleaved.torch.device("cpu"))
     rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("  | ") and "phase" not in line}
@@ -114,6 +114,11 @@ def test_the_phase_table_gives_each_phase_its_difference_and_splits_cplms_extra(
         d, lo, hi = diff(cells[ph][4])  # cplm - vanilla
         assert lo <= true <= hi and hi - lo < 0.5, (ph, cells[ph])
     assert abs(float(cells["step"][0]) - 35.0) < 0.1  # the step is the phases' sum
+    # on a GPU each cell also gives the host's time and the share of rounds the GPU had run out of work
+    phases["cplm"]["optimizer"] = [(5.0, 4.0, r % 2) for r in range(R)]
+    gpu_lines = interleaved.phase_lines(["vanilla", "cplm_loss", "cplm"], phases, interleaved.torch.device("cuda"))
+    optimizer = next(line for line in gpu_lines if line.startswith("  | optimizer |"))
+    assert optimizer.split("|")[4].strip() == "5.00 (4.00, GPU idle 50%)", optimizer
     split = next(line for line in lines if "CPLM's extra" in line)
     whole, loss_part, head_part = (diff(x)[0] for x in re.findall(r"[+-]\d+\.\d+ \[[^]]*\]", split))
     assert abs(whole - (loss_part + head_part)) < 0.011 and abs(loss_part - 0.5) < 0.1, split
@@ -226,3 +231,41 @@ def test_inductor_records_each_generated_kernels_part_as_it_names_it(tmp_path, m
     parts = kernel_parts.read_parts(str(tmp_path / "parts.jsonl"))
     assert parts and all(name.startswith("cpp_") for name in parts), parts
     assert set(parts.values()) == {"CP head and mixture"}, parts
+
+
+def test_each_mode_takes_each_place_in_a_round_equally_often():
+    """The first step of a round starts on an idle GPU after the round's sync: with three modes, reversing the order
+    alone never put the middle one first. round_order rotates, so over any whole number of cycles every mode is in
+    every place equally often."""
+    for order in (["vanilla", "cplm"], ["vanilla", "cplm", "cplm_loss"], list("abcd")):
+        k = len(order)
+        places = {(m, i): 0 for m in order for i in range(k)}
+        for r in range(2 * k * 5):
+            for i, m in enumerate(interleaved.round_order(order, r)):
+                places[(m, i)] += 1
+        assert set(places.values()) == {10}, places
+
+
+def test_the_three_model_ab_runs_on_a_cpu_and_prints_the_split(tmp_path):
+    """interleaved.py end to end on a CPU, tiny: vanilla, cplm_loss and cplm built, warmed up and alternated, the
+    ratio lines, the phase table and CPLM's extra split into the loss's part and the CP head's, then the profile."""
+    from conftest import toy_corpus, write_shard
+    write_shard(tmp_path / "toy_train_000000.bin", toy_corpus(60_000, 0))
+    write_shard(tmp_path / "toy_val_000000.bin", toy_corpus(20_000, 2))
+    flags = ["--preset", "cpu", "--num_layers", "2", "--model_dim", "64", "--num_heads", "1", "--batch_size", "256",
+             "--seq_len", "256", "--warmup_steps", "1", "--train_files", str(tmp_path / "toy_train_*.bin"),
+             "--val_files", str(tmp_path / "toy_val_*.bin")]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "gpu_check", "interleaved.py"), "--modes",
+                          "vanilla,cplm_loss,cplm", "--rounds_s", "1", "--min_rounds", "12", "--end_in_s", "300",
+                          "--profile_steps", "1", "--profile_reserve_s", "5", "--kernel_parts",
+                          str(tmp_path / "parts.jsonl"), "--", *flags], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = [line[len("REPORT "):] for line in out.stdout.splitlines() if line.startswith("REPORT ")]
+    assert any(re.match(r"cplm_loss/vanilla step time ratio \(interleaved, \d+ rounds\)", r) for r in report)
+    assert any(re.match(r"cplm/vanilla step time ratio \(interleaved, \d+ rounds\)", r) for r in report)
+    table = [r for r in report if r.startswith("  | ")]
+    assert table[0] == "  | phase | vanilla | cplm_loss | cplm | cplm_loss - vanilla | cplm - vanilla |"
+    assert [r.split("|")[1].strip() for r in table[1:5]] == ["forward", "backward", "optimizer", "step"]
+    assert any(r.startswith("  CPLM's extra a step, ") and "(cplm - cplm_loss)" in r for r in report), report
+    assert sum(r.startswith("profile: ") for r in report) == 2  # cplm_loss and cplm, each against vanilla

@@ -740,3 +740,26 @@ def test_the_memory_reading_follows_reuses_aliases_and_what_a_forward_hands_its_
     handed = {name: saved[name] for name in backward.inputs if name in saved}
     peak, outputs = backward.replay(handed)
     assert peak == 5120 + 8192 and outputs == {"grad_a": ("backward:buf0", 8192), "grad_b": ("forward:buf5", 1024)}
+
+
+def test_the_report_outlives_a_closed_terminal(tmp_path, monkeypatch):
+    """After SIGHUP the terminal answers writes with EIO: the report's lines still reach report.txt (the clean-up's
+    "stopped:" line included), and the driver's own line is not a traceback."""
+    import errno
+    import first_call as fc
+
+    class HungUp:
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+
+        def flush(self):
+            raise OSError(errno.EIO, "Input/output error")
+
+    (tmp_path / "out").mkdir()
+    report = fc.Report(str(tmp_path / "out"), None)
+    monkeypatch.setattr(sys, "stdout", HungUp())
+    report("a line")
+    report.safe("stopped: SIGHUP")
+    monkeypatch.undo()
+    report.file.close()
+    assert (tmp_path / "out" / "report.txt").read_text().splitlines()[-2:] == ["a line", "stopped: SIGHUP"]

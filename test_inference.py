@@ -297,7 +297,9 @@ def crafted_checkpoint(path, out, change):
     (dict(model_dim=65536), "do not describe its weights"),  # tried to allocate 48 GiB
     (dict(num_layers=100000), "--num_layers 100000 (at most 1024)"),  # built for over a minute
     (dict(num_layers=4), "do not describe its weights"),  # 4 layers over the weights of 2
-], ids=["num_layers_str", "num_heads_3", "bos_id_past_vocab", "model_dim_65536", "num_layers_100000", "layers_4"])
+    (dict(val_seq_len=2 ** 24, val_tokens=2 ** 24), "GiB of rotary tables"),  # tables of 2^24 positions a layer
+], ids=["num_layers_str", "num_heads_3", "bos_id_past_vocab", "model_dim_65536", "num_layers_100000", "layers_4",
+        "val_seq_len_2_24"])
 def test_load_model_refuses_crafted_settings_before_building_anything(checkpoints, tmp_path, monkeypatch, capsys,
                                                                        change, says):
     """A hostile tester's checkpoints, their digests matching: load_model (sample.py, needle.py, copy_picture.py, ...)
@@ -310,6 +312,7 @@ def test_load_model_refuses_crafted_settings_before_building_anything(checkpoint
     def no_build(config):
         raise AssertionError("a model was built from settings that describe none")
     monkeypatch.setattr(inference, "GPT", no_build)
+    monkeypatch.setattr(inference.run_files, "machine_memory", lambda: 2 ** 30)  # the same answer on any machine
     for read in (inference.load_model, inference.read_model_checkpoint,
                  lambda p: inference.read_model_checkpoint(p, mmap=True)):
         with pytest.raises(tg.DataError) as e:

@@ -1237,14 +1237,14 @@ def reduce_gradients(params, world_size) -> PendingReductions:
 
 
 if __name__ == "__main__":
-    said_by_rank_0 = int(os.environ.get("RANK", 0)) > 0  # under torchrun every rank fails alike: one says why
+    # under torchrun every rank fails alike: rank 0 says why, the others wait for torchrun to end them
+    said_by_rank_0 = int(os.environ.get("RANK", 0)) > 0 and "TORCHELASTIC_RUN_ID" in os.environ
     try:
         sys.exit(main())
     except (UsageError, DataError, KeyboardInterrupt) as e:  # one line, no traceback
         code = 2 if isinstance(e, UsageError) else 130 if isinstance(e, KeyboardInterrupt) else 1
         said = "stopped by Ctrl-C (its log says so)" if code == 130 else f"error: {e}{' (see --help)' * (code == 2)}"
-        if not said_by_rank_0 or code == 130:
-            print(f"{os.path.basename(sys.argv[0])}: {said}", file=sys.stderr)
-        else:  # wait for rank 0's line (torchrun then ends this rank): a rank exiting first had torchrun kill
-            time.sleep(60)  # rank 0 before it said why
+        if said_by_rank_0 and code != 130:  # exiting first had torchrun kill rank 0 before it said why; still
+            time.sleep(60)  # here after a minute, rank 0 did not fail alike: this rank says it
+        print(f"{os.path.basename(sys.argv[0])}: {said}", file=sys.stderr)
         sys.exit(code)

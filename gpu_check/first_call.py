@@ -18,13 +18,12 @@ warm; a job that outlives its time is killed and reported:
   1. ab (interleaved.py): vanilla and CPLM built and compiled in one process, their training steps alternated on the
      same batches for --ab_s (100 s; at least 200 rounds on the GPU), each step timed with CUDA events: the report's
      `cplm/vanilla step time ratio (interleaved, R rounds): X.XXX [LO, HI]`, a 95% interval from a moving-block
-     bootstrap over rounds; each step split into forward, backward and optimizer (GPU and host time, each
-     difference with its interval); where its compile ends by 0.9 x the warm-up limit, a third model, cplm_loss
-     (vanilla through CPLM's form of the LM head's loss, no CP head), which splits CPLM's extra into the loss's part
-     and the CP head's; then a profile of the modes (the top kernels, those only CPLM runs, the shared ones'
-     difference, idle gaps, and the kernels by model part, as recorded by whichever job generated them: every job
-     writes to one KERNEL_PARTS_FILE in the work folder). It depends on no other job: the ratio comes out if the
-     separate jobs hang; not warm by 390 s, it is killed;
+     bootstrap over rounds; each step split into forward, backward and optimizer (the GPU's time, the host's, and
+     whether the GPU ran out of work; each difference with its interval); then a profile of the modes (the top
+     kernels, those only CPLM runs, the shared ones' difference, idle gaps, and the kernels by model part, as
+     recorded by whichever process generated them, kernel_parts.py). It depends on no other job: the ratio comes out
+     if the separate jobs hang; not warm by 390 s, it is killed. (CPLM's extra split into its loss's part and its
+     CP head's, with a third model, is a call of its own: records/gpu/README.md);
   2. vanilla and cplm, started beside it (job.py: train_gpt_cplm.main itself; --steps timed steps of one
      48Ki-token row, one validation row of 256Ki tokens in the warm-up and after the timed steps; the train loss
      every quarter): compile time, step time, peak memory in training and validation, recompiles in and after
@@ -282,8 +281,10 @@ class Report:
             raise OutError(f"--out {out}: cannot write report.txt there ({e.strerror})")
 
     def __call__(self, line=""):
-        """The line on stdout and in report.txt; OutError where report.txt cannot take it (the file is then closed)."""
-        print(line, flush=True)
+        """The line on stdout and in report.txt; OutError where report.txt cannot take it (the file is then closed).
+        A stdout that cannot take it (a closed terminal after SIGHUP: EIO) is passed over: the file is what counts."""
+        with contextlib.suppress(OSError):
+            print(line, flush=True)
         if self.file is None:
             raise OutError(f"--out {self.out}: report.txt could not be written")
         try:
@@ -390,14 +391,11 @@ def train_cmd(args, work, base, name):
             "--num_iterations", str(args.steps), "--train_loss_every", str(max(1, args.steps // 4))]
 
 
-def ab_cmd(args, modes, rounds_s, end_in_s, profile, optional=""):
-    """The interleaved A/B (interleaved.py) of modes over the record's schedule (1770 steps; the cpu preset's 200);
-    optional: modes it adds where their compile ends well inside its warm-up limit (cplm_loss: CPLM's extra split
-    into its loss's part and its CP head's)."""
+def ab_cmd(args, modes, rounds_s, end_in_s, profile):
+    """The interleaved A/B (interleaved.py) of modes over the record's schedule (1770 steps; the cpu preset's 200)."""
     return [sys.executable, os.path.join(HERE, "interleaved.py"), "--modes", modes, "--rounds_s", f"{rounds_s:.0f}",
             "--min_rounds", "20" if args.dry_run else "200", "--end_in_s", f"{end_in_s:.0f}",
             "--profile_steps", "3" if profile else "0", "--profile_reserve_s", f"{budget(args, 'ab_profile'):.0f}",
-            "--optional_modes", optional, "--warm_by_s", f"{0.9 * budget(args, 'ab_warm'):.0f}",
             "--", *model_flags(args)]
 
 
@@ -877,12 +875,14 @@ def call(argv, signals):
                 with contextlib.suppress(OSError):
                     os.rmdir(args.out)
     if stopped:
-        print(f"first_call.py: stopped by {stopped.name}: its jobs killed, the report and the logs in {args.out}",
-              file=sys.stderr)
+        with contextlib.suppress(OSError):  # a closed terminal's stderr
+            print(f"first_call.py: stopped by {stopped.name}: its jobs killed, the report and the logs in {args.out}",
+                  file=sys.stderr)
         return 128 + signals.signum
     if failed:
-        print(f"first_call.py: error: {failed}" + ("; its jobs were killed" if jobs else "; nothing was started"),
-              file=sys.stderr)
+        with contextlib.suppress(OSError):
+            print(f"first_call.py: error: {failed}" + ("; its jobs were killed" if jobs else "; nothing was started"),
+                  file=sys.stderr)
         return 1
     return 0
 
@@ -890,9 +890,7 @@ def call(argv, signals):
 def run_plan(args, work, report, jobs, not_started, caps, usable, ab_s, deadline, synthetic, signals):
     """Starts the jobs by value as their time comes (each added to jobs at once, so the clean-up kills it), runs them
     to the end or the deadline, and writes the summary."""
-    # KERNEL_PARTS_FILE: each generated kernel's model part, recorded by whichever job compiles it (kernel_parts.py)
     env = {"GPU_CHECK_TURN": os.path.join(work, "gpu_turn.lock"), "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1",
-           "KERNEL_PARTS_FILE": os.path.join(work, "kernel_parts.jsonl"),
            "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 3) // slots(caps, usable)))}
     if args.dry_run:
         env["OMP_NUM_THREADS"] = "1"  # several processes on a few cores: one thread each
@@ -957,8 +955,7 @@ def run_plan(args, work, report, jobs, not_started, caps, usable, ab_s, deadline
         ("devices", lambda: True, 0, lambda: start("devices", devices, limit_s=budget(args, "devices"))),
         ("refcheck", lambda: True, 0, lambda: start("refcheck", refcheck,
                                                     turn_budget=budget(args, "refcheck_turn"))),
-        ("ab", lambda: True, 0, lambda: start("ab", ab_cmd(args, "vanilla,cplm", ab_s, left(), profile=True,
-                                                              optional="cplm_loss"),
+        ("ab", lambda: True, 0, lambda: start("ab", ab_cmd(args, "vanilla,cplm", ab_s, left(), profile=True),
                                               turn_budget=ab_turn, warm_limit_s=budget(args, "ab_warm"))),
         ("cplm", lambda: True, 0, lambda: start("cplm", train_cmd(args, work, "cplm", "cplm"))),
         ("vanilla", lambda: True, 0, lambda: start("vanilla", train_cmd(args, work, "vanilla", "vanilla"))),

@@ -3,11 +3,11 @@ train_gpt_cplm.train builds them, their training steps then alternated on the sa
 events on a GPU, the wall clock on a CPU). No process-to-process offset enters the ratio, and a drift of the card's
 speed meets both modes alike; its 95% interval comes from a moving-block bootstrap over rounds, so the steps'
 autocorrelation is kept. Each step is split into forward, backward and optimizer by events between them (the GPU's
-time per phase, and the host's time issuing it: a phase the host cannot issue as fast as the GPU runs it is
-host-bound), each mode's difference to the baseline with the same interval. Then a profile of a few steps of each
-mode (torch.profiler), reduced to a small table.
+time per phase, the host's time issuing it, and whether the GPU had run out of work by the phase's end), each
+mode's difference to the baseline with the same interval. Then a profile of a few steps of each mode
+(torch.profiler), reduced to a small table.
 
-    python3 gpu_check/interleaved.py --modes vanilla,cplm_loss,cplm --rounds_s 90 --end_in_s 400 -- <train_gpt_cplm flags>
+    python3 gpu_check/interleaved.py --modes vanilla,cplm_loss,cplm --rounds_s 90 --end_in_s 540 -- <flags>
 
 Mode cplm_loss is vanilla trained through CPLM's form of the LM head's loss with no CP head: with it, CPLM's extra
 time splits into the loss's part and the CP head's (its two sums and the mixture included).
@@ -15,7 +15,8 @@ time splits into the loss's part and the CP head's (its two sums and the mixture
 The first mode is the baseline: each other mode's ratio is to it. The rounds sample the flags' schedule
 (--num_iterations, the record's 1770 by default) evenly: round r trains at step r x num_iterations / R, so the
 attention window, learning rates and momentum cover the whole run, as a run's average step does. Each round runs
-every mode once, in alternating order, with no host sync inside it (as in training) and one at its end. Lines for
+every mode once, the order rotated each round and reversed every other cycle (each mode in each place equally
+often), with no host sync inside it (as in training) and one at its end. Lines for
 the report start with REPORT (first_call.py copies them into report.txt as they come); the GPU turn
 (gpu_turn.py) is taken for the rounds and the profile.
 """
@@ -120,37 +121,50 @@ class Mode:
 
 class PhaseClock:
     """Marks in one step: a CUDA event on the GPU's timeline (no sync) and the host's clock at each. After a sync,
-    gpu_ms and host_ms give each phase's time, summed over micro-steps: on the GPU, what the stream spent between
-    the marks (waiting for the host included); on the host, what issuing the phase took (Python, launches). On a
-    CPU both are the wall clock."""
+    phase_ms gives each phase's time, summed over micro-steps: on the GPU, what the stream spent between the marks
+    (waiting for the host included); on the host, what issuing the phase took (Python, launches, and any wait for
+    room in a full launch queue: so the host's time alone cannot say who waits). Whether the GPU waited is read at
+    each mark: the previous mark's event already done (a non-blocking query) means the GPU had run out of work,
+    the host behind it. On a CPU both times are the wall clock."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self.marks = []  # (phase that ends here, host seconds, CUDA event or None)
+        self.marks = []  # (phase that ends here, host seconds, CUDA event or None, the GPU idle at this mark)
 
     def mark(self, phase):
-        event = None
+        event, starved = None, False
         if self.cuda:
+            starved = bool(self.marks) and self.marks[-1][2].query()  # all issued work done: the GPU waits
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-        self.marks.append((phase, time.perf_counter(), event))
+        self.marks.append((phase, time.perf_counter(), event, starved))
 
     def total_ms(self):
-        (_, t0, e0), (_, t1, e1) = self.marks[0], self.marks[-1]
+        (_, t0, e0, _), (_, t1, e1, _) = self.marks[0], self.marks[-1]
         return e0.elapsed_time(e1) if self.cuda else 1000 * (t1 - t0)
 
     def phase_ms(self):
-        """{phase: (GPU ms, host ms)} for PHASES."""
-        out = {phase: [0.0, 0.0] for phase in PHASES}
-        for (_, t0, e0), (phase, t1, e1) in zip(self.marks, self.marks[1:]):
+        """{phase: (GPU ms, host ms, 1 if the GPU was found idle at the phase's end, else 0)} for PHASES."""
+        out = {phase: [0.0, 0.0, 0] for phase in PHASES}
+        for (_, t0, e0, _), (phase, t1, e1, starved) in zip(self.marks, self.marks[1:]):
             out[phase][0] += e0.elapsed_time(e1) if self.cuda else 1000 * (t1 - t0)
             out[phase][1] += 1000 * (t1 - t0)
+            out[phase][2] = max(out[phase][2], int(starved))
         return {phase: tuple(v) for phase, v in out.items()}
 
 
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def round_order(order, r):
+    """The modes' order in round r: rotated by one each round and reversed every other cycle, so that each mode
+    takes each place equally often (the first step of a round starts on an idle GPU after the round's sync; with
+    three modes, reversing alone would never put the middle one first)."""
+    k = len(order)
+    rotated = order[r % k:] + order[:r % k]
+    return rotated[::-1] if (r // k) % 2 else rotated
 
 
 def timed_round(modes, order, step, batch, device):
@@ -211,7 +225,8 @@ def ratio_lines(base, mode, times, losses, steps_sampled, device):
     ratio = num.sum() / den.sum()
     return [f"{mode}/{base} step time ratio (interleaved, {R} rounds): {ratio:.3f} [{lo:.3f}, {hi:.3f}]",
             f"  {base} {den.mean():.2f} ms, {mode} {num.mean():.2f} ms a step (means over {R} rounds, each step timed "
-            f"with {clock}, the order alternated each round; steps {steps_sampled[0]}-{steps_sampled[-1]} of the "
+            f"with {clock}, the order rotated each round, each mode in each place equally often; steps "
+            f"{steps_sampled[0]}-{steps_sampled[-1]} of the "
             f"schedule); 95% interval: moving-block bootstrap over rounds, blocks of {block}, 2000 resamples; lag-1 "
             f"autocorrelation of the steps: {base} {lag1_autocorrelation(den):.2f}, {mode} "
             f"{lag1_autocorrelation(num):.2f}; train loss at the first and last round: {base} "
@@ -220,27 +235,29 @@ def ratio_lines(base, mode, times, losses, steps_sampled, device):
 
 def phase_lines(names, phases, device):
     """The per-phase table: each mode's forward, backward, optimizer and whole step in ms (means over rounds, the
-    GPU's timeline; the host's issue time in parentheses, "host-bound" where issuing took 90% of the GPU's time or
-    more), each mode minus the baseline with its 95% interval; and, with cplm_loss and cplm both measured, CPLM's
-    extra split into the loss's form and the CP head's part. phases: {mode: {phase: [(GPU ms, host ms)] a round}}."""
+    GPU's timeline; in parentheses the host's time issuing it and the share of rounds in which the GPU had run out
+    of work by the phase's end: the host's wait, not the GPU's), each mode minus the baseline with its 95% interval;
+    and, with cplm_loss and cplm both measured, CPLM's extra split into the loss's form and the CP head's part.
+    phases: {mode: {phase: [(GPU ms, host ms, GPU idle at the end: 0 or 1)] a round}}."""
     base, others = names[0], names[1:]
     R = len(phases[base][PHASES[0]])
     block = block_length(R)
-    gpu = {n: {ph: np.array([g for g, _ in phases[n][ph]]) for ph in PHASES} for n in names}
-    host = {n: {ph: np.array([h for _, h in phases[n][ph]]) for ph in PHASES} for n in names}
+    gpu, host, idle = ({n: {ph: np.array([x[i] for x in phases[n][ph]], dtype=float) for ph in PHASES} for n in names}
+                       for i in range(3))
     for n in names:
         gpu[n]["step"], host[n]["step"] = sum(gpu[n][ph] for ph in PHASES), sum(host[n][ph] for ph in PHASES)
+        idle[n]["step"] = np.maximum.reduce([idle[n][ph] for ph in PHASES])
 
     def cell(n, ph):
-        g, h = gpu[n][ph].mean(), host[n][ph].mean()
-        return f"{g:.2f} ({h:.2f}{', host-bound' if h >= 0.9 * g else ''})" if device.type == "cuda" else f"{g:.2f}"
+        g, h, i = gpu[n][ph].mean(), host[n][ph].mean(), idle[n][ph].mean()
+        return f"{g:.2f} ({h:.2f}, GPU idle {100 * i:.0f}%)" if device.type == "cuda" else f"{g:.2f}"
 
     def diff(x, y, ph):
         lo, hi = block_bootstrap_difference(gpu[x][ph], gpu[y][ph], block)
         return f"{gpu[x][ph].mean() - gpu[y][ph].mean():+.2f} [{lo:+.2f}, {hi:+.2f}]"
 
-    clock = "on the GPU's timeline; the host's issue time in parentheses" if device.type == "cuda" else \
-        "the wall clock (CPU)"
+    clock = ("on the GPU's timeline; in parentheses the host's time issuing it and the share of rounds in which the "
+             "GPU had run out of work by its end") if device.type == "cuda" else "the wall clock (CPU)"
     lines = [f"phases, ms a step (means over {R} rounds, {clock}); "
              f"each mode - {base} with its 95% interval (moving-block bootstrap, blocks of {block}):",
              "  | phase | " + " | ".join(names) + " | " + " | ".join(f"{n} - {base}" for n in others) + " |"]
@@ -400,33 +417,30 @@ def main(argv=None):
     p.add_argument("--end_in_s", type=float, default=1e9, help="everything done by then (the profile included)")
     p.add_argument("--profile_steps", type=int, default=3, help="steps a mode under the profiler (0: none)")
     p.add_argument("--profile_reserve_s", type=float, default=30, help="kept for the profile after the rounds")
-    p.add_argument("--optional_modes", default="", help="modes measured only if their compile fits by --warm_by_s "
-                   "(e.g. cplm_loss: one more cold compile)")
-    p.add_argument("--warm_by_s", type=float, default=1e9, help="the optional modes' compiles end by then")
     p.add_argument("--kernel_parts", default=os.environ.get("KERNEL_PARTS_FILE"),
                    help="a file of kernels' model parts (kernel_parts.py) to append to and read, shared with the "
-                   "processes that compile the same graphs (default: $KERNEL_PARTS_FILE, else this process's own)")
+                   "processes that compile the same graphs (default: $KERNEL_PARTS_FILE, else beside inductor's cache)")
     p.add_argument("train_flags", nargs="*", help="train_gpt_cplm's flags, after --")
     args = p.parse_args(argv)
-    for flag in ("rounds_s", "end_in_s", "profile_reserve_s", "warm_by_s"):
+    for flag in ("rounds_s", "end_in_s", "profile_reserve_s"):
         value = getattr(args, flag)
         if not math.isfinite(value) or value < 0 or (value == 0 and flag != "profile_reserve_s"):
-            p.error(f"--{flag}: a finite number of seconds, {'0 or more' if flag == 'profile_reserve_s' else 'above 0'}"
-                    f" (got {value})")
+            least = "0 or more" if flag == "profile_reserve_s" else "above 0"
+            p.error(f"--{flag}: a finite number of seconds, {least} (got {value})")
     if args.profile_steps < 0 or args.min_rounds < 1:
         p.error("--profile_steps: 0 or more; --min_rounds: 1 or more")
     started = time.monotonic()
     end = started + args.end_in_s
-    names, optional = args.modes.split(","), [n for n in args.optional_modes.split(",") if n]
-    if len(names) < 2 or len(set(names + optional)) != len(names + optional) or not set(names + optional) <= set(MODES):
-        p.error(f"--modes, --optional_modes: two or more distinct names of {', '.join(MODES)}, the baseline first")
+    names = args.modes.split(",")
+    if len(names) < 2 or len(set(names)) != len(names) or not set(names) <= set(MODES):
+        p.error(f"--modes: two or more distinct names of {', '.join(MODES)}, the baseline first")
     a = tg.resolve_vocabulary(tg.parse_args(args.train_flags))
     device = device_for_run()
     if device.type == "cuda" and a.coordinate_descent and a.compile != 0:
         torch._inductor.config.coordinate_descent_tuning = True  # as train(): a longer compile, faster kernels
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)  # several models, one code
     loader = tg.TrainLoader(a.train_files, a.batch_size, a.seq_len, 0, 1, a.vocab_size, a.bos_id, a.data_seed)
-    parts_file = args.kernel_parts or os.path.join(tempfile.mkdtemp(prefix="kernel_parts_"), "parts.jsonl")
+    parts_file = args.kernel_parts or kernel_parts.default_path()
     kernel_parts.record_into(parts_file)  # every compile of this process: the warm-up's, any recompile after
     modes, warm_s = {}, {}
 
@@ -443,14 +457,6 @@ def main(argv=None):
     # (first_call.py's) is then the likelier to have filled the compile cache by the time the baseline compiles
     for name in names[1:] + names[:1]:
         warm_up(name)
-    for name in optional:  # each only if a compile as slow as the slowest so far ends by --warm_by_s
-        need = max(warm_s.values())
-        if time.monotonic() - started + need <= args.warm_by_s and end - time.monotonic() - need > args.rounds_s / 2:
-            warm_up(name)
-            names.append(name)
-        else:
-            report(f"{name}: not measured (its compile, ~{need:.0f}s as the slowest so far, would end past the "
-                   f"warm-up limit, {args.warm_by_s:.0f}s, or leave too little for the rounds)")
     print(f"warm-up done: {', '.join(names)}", flush=True)
     turn = take_turn()  # held for the rounds and the profile
     order = list(names)
@@ -473,7 +479,7 @@ def main(argv=None):
         if r and time.monotonic() > end - reserve:  # the estimate was off: stop at the time, not the count
             break
         step = r * a.num_iterations // R
-        result = timed_round(modes, order if r % 2 == 0 else order[::-1], step, loader.next_batch(device), device)
+        result = timed_round(modes, round_order(order, r), step, loader.next_batch(device), device)
         steps_sampled.append(step)
         for n, (ms, loss, by_phase) in result.items():
             times[n].append(ms)
@@ -491,7 +497,7 @@ def main(argv=None):
     for line in phase_lines(names, phases, device):
         report(line)
     if device.type == "cuda":
-        report(f"  peak memory allocated over the rounds, both models resident: "
+        report(f"  peak memory allocated over the rounds, every model resident: "
                f"{torch.cuda.max_memory_allocated() // 2 ** 20} MiB")
     if args.profile_steps:
         try:

@@ -17,8 +17,8 @@ from gpu_turn import limit_gpu_memory, take_turn  # noqa: E402
 def main(argv=None):
     held = []  # the turn's lock, kept open until the process ends
     limit_gpu_memory()
-    if os.environ.get("KERNEL_PARTS_FILE"):  # the kernels this job compiles, for the A/B's profile (kernel_parts.py)
-        kernel_parts.record_into(os.environ["KERNEL_PARTS_FILE"])
+    # the kernels this job compiles, by model part, for the A/B's profile (kernel_parts.py)
+    kernel_parts.record_into(os.environ.get("KERNEL_PARTS_FILE") or kernel_parts.default_path())
     try:
         return tg.main(argv, before_clock=lambda: held.append(take_turn()))
     except tg.UsageError as e:

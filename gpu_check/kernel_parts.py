@@ -6,8 +6,9 @@ one name; the CP mixture's pointwise steps fuse into the LM head's reductions un
 torch.profiler's ranges (record_function, NVTX) do not survive torch.compile (dynamo drops them), so the part is read
 where the kernel is written: inductor's define_kernel gets the fused nodes of each kernel, whose FX nodes carry the
 module and source lines they came from (gpu_check/roofline.py's origin_category, the roofline's own attribution).
-Each process that compiles writes {kernel name: part} lines to one file (append, a line at a time), so a process
-that takes its graphs from inductor's cache (which skips naming) reads the parts another process recorded. Library
+Each process that compiles writes {kernel name: part} lines to one file beside inductor's cache (append, a line at a
+time), so a process that takes its graphs from that cache (which skips naming) reads the parts recorded when they
+were compiled. Kernel names are numbered per graph: a name two graphs gave different parts reads "ambiguous". Library
 calls (cuBLAS matmuls, sorts) are not generated kernels: a profile lists them apart.
 """
 import collections
@@ -26,11 +27,22 @@ def part_of_schedule(nodes):
     return max(CATEGORIES, key=lambda c: (votes[c], -CATEGORIES.index(c))) if votes else CATEGORIES[-1]
 
 
+def default_path():
+    """Beside inductor's own cache (TORCHINDUCTOR_CACHE_DIR), which outlives a call: a graph that a later call takes
+    from that cache (naming no kernel) finds the parts its first compile recorded."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return os.path.join(cache_dir(), "kernel_parts.jsonl")
+
+
 def record_into(path):
     """From now on in this process, every kernel inductor defines (Triton on a GPU, C++ on a CPU) appends
-    {"kernel", "part"} to path."""
-    from torch._inductor.codegen.cpp import CppScheduling
-    from torch._inductor.codegen.triton import TritonScheduling
+    {"kernel", "part"} to path; True if the hook is in (a torch without these methods: False, nothing changed)."""
+    try:
+        from torch._inductor.codegen.cpp import CppScheduling
+        from torch._inductor.codegen.triton import TritonScheduling
+        schedulings = [(c, c.define_kernel) for c in (TritonScheduling, CppScheduling)]
+    except (ImportError, AttributeError):
+        return False
 
     def wrap(define):
         def define_and_record(self, src_code, nodes, *args, **kwargs):
@@ -45,10 +57,11 @@ def record_into(path):
         define_and_record.records_into = path
         return define_and_record
 
-    for scheduling in (TritonScheduling, CppScheduling):
-        define = scheduling.define_kernel
-        scheduling.define_kernel = wrap(getattr(define, "__wrapped_define__", define))
-        scheduling.define_kernel.__wrapped_define__ = getattr(define, "__wrapped_define__", define)
+    for scheduling, define in schedulings:
+        original = getattr(define, "__wrapped_define__", define)  # installed twice: one hook, the latest path
+        scheduling.define_kernel = wrap(original)
+        scheduling.define_kernel.__wrapped_define__ = original
+    return True
 
 
 def read_parts(path):
