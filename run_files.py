@@ -195,6 +195,12 @@ def claim_run(a, rank, distributed, device, sources):
                 log(f"stopped: {type(e).__name__}: {e}", console=False)
             if not log.started:
                 log.undo(keep_if_new=True)  # an earlier run's log stays as it was
+            if distributed and peer_ended(e):  # another rank died mid-collective: its own output says why. Here one
+                if run_lock is not None:  # line, and an exit now: gloo's threads abort a normal one (std::terminate,
+                    release_run_lock(run_lock)  # exit -6) with a dead peer and work in flight
+                print(f"{os.path.basename(sys.argv[0])}: error: another process of this run ended or stopped answering; "
+                      f"its output says why (here: {str(e).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+                os._exit(1)
             raise
     finally:
         if run_lock is not None:  # first: a teardown that raises leaves no lock file behind
@@ -328,6 +334,13 @@ def checkpoint_step(path):
 def checkpoints_in(folder):
     """The checkpoints in a run's folder, oldest step first."""
     return sorted(glob.glob(os.path.join(glob.escape(folder), "state_step*.pt")), key=checkpoint_step)
+
+
+def peer_ended(e):
+    """A collective's error because another process of the run is gone (gloo's closed or reset connection, NCCL's
+    aborted communicator), not a fault of this one."""
+    return isinstance(e, getattr(dist, "DistError", ())) or (
+        isinstance(e, RuntimeError) and re.search(r"gloo|NCCL|Connection (reset|closed) by peer", str(e)) is not None)
 
 
 def writer_tag():

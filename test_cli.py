@@ -454,6 +454,39 @@ def test_one_and_two_processes_agree_with_the_default_thread_counts(tmp_path):
             np.testing.assert_allclose(a, b, rtol=1e-4, err_msg=f"cplm={cplm} {kind}")
 
 
+def test_a_rank_that_dies_mid_run_costs_the_other_one_line_not_a_traceback(toy_data, tmp_path):
+    """A hostile tester's: rank 1 killed mid-run gave rank 0 a gloo traceback (and, at exit, now and then gloo's
+    std::terminate: exit -6). Now rank 0's log ends with the collective's error, its stderr holds one line saying
+    that another process ended (its own output says why), and it exits 1."""
+    import signal as sig
+    import socket
+    import time
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.pop("TORCHELASTIC_RUN_ID", None)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *tiny_flags(toy_data, tmp_path, num_iterations=100000,
+                                                                           val_loss_every=0)],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        deadline = time.monotonic() + 300
+        while "step:3/" not in (open(tmp_path / "run.txt").read() if (tmp_path / "run.txt").exists() else ""):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "rank 0 never reached step 3"
+            time.sleep(0.2)
+        procs[1].send_signal(sig.SIGKILL)
+        _, err = procs[0].communicate(timeout=300)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "another process of this run ended or stopped answering" in err, err
+    assert re.search(r"^stopped: ", (tmp_path / "run.txt").read_text(), re.M)
+
+
 def test_ranks_started_with_different_flags_are_refused_together(toy_data, tmp_path):
     """A hostile tester's: --lr_muon or --seq_len given to rank 1 only trained to exit 0 with wrong losses. The ranks
     compare a digest of their settings after the rendezvous and all refuse, in one line, before anything trains."""
