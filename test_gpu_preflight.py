@@ -644,10 +644,15 @@ def test_first_call_packs_across_filesystems(tmp_path, monkeypatch):
     def no_rename(src, dst):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
     monkeypatch.setattr(first_call.os, "replace", no_rename)
-    report.pack()
+    assert report.pack() is True
     assert sorted(os.listdir(tmp_path / "out")) == ["logs.tar.gz", "report.txt"]
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
         assert tar.getnames() == ["logs/vanilla.stdout"]
+    # and where the logs cannot get there at all, pack says so (the report's last line then does not claim them)
+    monkeypatch.setattr(first_call.shutil, "copyfile", no_rename)
+    assert report.pack() is False
+    report.file.close()
+    assert "packing the logs failed: OSError" in (tmp_path / "out" / "report.txt").read_text()
 
 
 @pytest.mark.parametrize("argv, code, words", [(["--help"], 0, "pip install triton==3.6.0"),

@@ -303,6 +303,7 @@ class Report:
             self(line)
 
     def pack(self, say=None):
+        """The work folder's logs into $OUT/logs.tar.gz, whole; True if they got there."""
         logs, packed = os.path.join(self.work, "logs"), os.path.join(self.work, "logs.tar.gz")
         try:
             with tarfile.open(packed, "w:gz") as tar:
@@ -315,6 +316,8 @@ class Report:
                 shutil.copyfile(packed, os.path.join(self.out, "logs.tar.gz"))
         except (OSError, tarfile.TarError) as e:
             (say or self)(f"  packing the logs failed: {type(e).__name__}: {e}")
+            return False
+        return True
 
 
 def check_data(data):
@@ -864,9 +867,9 @@ def call(argv, signals):
             if stopped:
                 report.safe(f"stopped: {stopped.name}")
             if not unwritten:
-                report.pack(say=report.safe)
-                report.safe(f"logs packed into logs.tar.gz; total {time.monotonic() - T0:.0f}s of a "
-                            f"{args.deadline_s:.0f}s deadline")
+                packed = report.pack(say=report.safe)
+                report.safe(("logs packed into logs.tar.gz" if packed else "the logs not packed (above)") +
+                            f"; total {time.monotonic() - T0:.0f}s of a {args.deadline_s:.0f}s deadline")
             shutil.rmtree(report.work, ignore_errors=True)
         if unwritten:
             with contextlib.suppress(OSError):
