@@ -110,7 +110,7 @@ PRESETS = {
     # the 8xH100 speedrun: modded-nanogpt's 2025-01-26 record (1770 steps of 8 x 48Ki tokens); the defaults
     "speedrun": dict(),
     # one GPU (tools/run_race.py): the record's architecture at 4 x 768 (its V/D), 500 steps of one 32Ki-token row,
-    # vanilla in ~20 s on an H100; FineWeb's first train shard (records/one_gpu_race says why this size)
+    # vanilla in ~22 s on an H100 (estimated); FineWeb's first train shard (records/one_gpu_race: why this size)
     "gpu1": dict(train_files="data/fineweb10B/fineweb_train_000001.bin", val_tokens=8 * 64 * 1024,
                  batch_size=32 * 1024, seq_len=32 * 1024, val_seq_len=64 * 1024, num_layers=4, no_attention_layer=-1,
                  num_iterations=500, val_loss_every=50, warmup_steps=3),

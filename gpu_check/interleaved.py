@@ -169,7 +169,7 @@ def round_order(order, r):
 
 def timed_round(modes, order, step, batch, device):
     """Each mode's step on the same batch, in this order, with no host sync between them: {mode: (ms, loss,
-    {phase: (GPU ms, host ms)})}. CUDA events time each step on the GPU's own timeline (what it spent on the step,
+    PhaseClock.phase_ms())}. CUDA events time each step on the GPU's own timeline (what it spent on the step,
     host-bound gaps included)."""
     clocks, losses = {}, {}
     for name in order:
@@ -442,21 +442,16 @@ def main(argv=None):
     loader = tg.TrainLoader(a.train_files, a.batch_size, a.seq_len, 0, 1, a.vocab_size, a.bos_id, a.data_seed)
     parts_file = args.kernel_parts or kernel_parts.default_path()
     kernel_parts.record_into(parts_file)  # every compile of this process: the warm-up's, any recompile after
-    modes, warm_s = {}, {}
-
-    def warm_up(name):
+    modes = {}
+    # the modes other than the baseline compile first: a separate job compiling the baseline beside this process
+    # (first_call.py's) is then the likelier to have filled the compile cache by the time the baseline compiles
+    for name in names[1:] + names[:1]:
         t0 = time.monotonic()
         modes[name] = Mode(name, tg.dataclasses.replace(a, **MODES[name]), device)
         for step in range(max(a.warmup_steps, 1)):  # compiles; Newton-Schulz and the FP8 head recompile once
             modes[name].step(step, loader.next_batch(device))
         synchronize(device)
-        warm_s[name] = time.monotonic() - t0
-        print(f"{name}: built and warmed up in {warm_s[name]:.0f}s", flush=True)
-
-    # the modes other than the baseline compile first: a separate job compiling the baseline beside this process
-    # (first_call.py's) is then the likelier to have filled the compile cache by the time the baseline compiles
-    for name in names[1:] + names[:1]:
-        warm_up(name)
+        print(f"{name}: built and warmed up in {time.monotonic() - t0:.0f}s", flush=True)
     print(f"warm-up done: {', '.join(names)}", flush=True)
     turn = take_turn()  # held for the rounds and the profile
     order = list(names)

@@ -21,10 +21,8 @@ UNKNOWN = "generated, part not recorded"
 
 def part_of_schedule(nodes):
     """The part most of a kernel's FX nodes compute (the roofline's vote, its (T, V) rule aside)."""
-    from roofline import CATEGORIES, origin_category, origins
-    votes = collections.Counter(origin_category(o) for node in nodes if hasattr(node, "get_nodes")
-                                for o in origins(node))
-    return max(CATEGORIES, key=lambda c: (votes[c], -CATEGORIES.index(c))) if votes else CATEGORIES[-1]
+    from roofline import majority_category, origins
+    return majority_category(o for node in nodes if hasattr(node, "get_nodes") for o in origins(node))
 
 
 def default_path():
@@ -54,7 +52,6 @@ def record_into(path):
             except Exception:  # the attribution must never cost the compile
                 pass
             return name
-        define_and_record.records_into = path
         return define_and_record
 
     for scheduling, define in schedulings:

@@ -229,8 +229,13 @@ def category(node, op_name, vocab):
         return origin_category(origin)
     if touches_logits(node, vocab):
         return CATEGORIES[0]
-    votes = collections.Counter(origin_category(o) for o in origins(node))
-    return max(CATEGORIES, key=lambda c: (votes[c], -CATEGORIES.index(c))) if votes else CATEGORIES[4]
+    return majority_category(origins(node))
+
+
+def majority_category(fx_nodes):
+    """The part most of these FX nodes compute (a tie: the earlier category; none: the rest's)."""
+    votes = collections.Counter(origin_category(o) for o in fx_nodes)
+    return max(CATEGORIES, key=lambda c: (votes[c], -CATEGORIES.index(c))) if votes else CATEGORIES[-1]
 
 
 def touches_logits(node, vocab):
