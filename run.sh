@@ -86,7 +86,7 @@ if [ "${1:-}" = test ]; then  # -rs: each skipped test says why, and what enable
     exec "$PYTHON" -m pytest -q -rs test_cplm.py test_cli.py test_run_files.py test_data.py test_experiments.py \
         test_compare.py test_inference.py test_mechanism.py test_baselines.py test_test_slice.py test_gpu_preflight.py \
         test_gpu_kernels.py test_gpu_interpreter.py test_gpu_interleaved.py test_gpu_roofline.py test_race.py \
-        test_imports.py "$@"
+        test_cp_kernel.py test_imports.py "$@"
 fi
 
 race=race_$(date +%Y%m%d_%H%M%S)_$$

@@ -176,6 +176,8 @@ def claim_run(a, rank, distributed, device, sources):
         if refused:
             raise UsageError(f"run {a.run_id} is training in another process on this machine: wait for it to end, "
                              "or choose another --run_id")
+        if a.cp_backend == "lse_kernel":  # the CP sums' kernel is code the run ran: its source follows the script's
+            sources = (*sources, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cp_kernel.py"))
         log = Logger(a, rank == 0, sources=sources)
         try:
             yield log
@@ -594,8 +596,8 @@ def check_args(a, given=()):
          "positive (the U-net pairs each layer of the first half with one of the second), --num_iterations >= 0")
     need(0 <= a.attn_window_start <= a.attn_window, "need 0 <= --attn_window_start <= --attn_window")
     need(a.no_attention_layer >= -1, "--no_attention_layer is a layer index, or -1 for none")
-    need(a.fp8_head in (-1, 0, 1) and a.cp_backend in ("auto", "flex", "dense"),
-         "--fp8_head must be -1, 0 or 1; --cp_backend auto, flex or dense")
+    need(a.fp8_head in (-1, 0, 1) and a.cp_backend in ("auto", "flex", "dense", "lse_kernel"),
+         "--fp8_head must be -1, 0 or 1; --cp_backend auto, flex, dense or lse_kernel")
     need(a.cp_chunk >= 0, f"--cp_chunk must be >= 0 (0: the device's default), not {a.cp_chunk}")
     need(a.vocab_size >= 0 and (a.bos_id == -1 or 0 <= a.bos_id < (a.vocab_size or 2 ** 31)),
          "--vocab_size must be >= 0 (0: from the shards) and --bos_id a token id below it (-1: the last id)")
@@ -616,8 +618,10 @@ def check_args(a, given=()):
     need("no_attention_layer" not in given or a.no_attention_layer < a.num_layers,
          f"--no_attention_layer {a.no_attention_layer} is not a layer of a {a.num_layers}-layer model "
          "(-1: every layer has attention)")
-    need(a.cp_backend != "flex" or torch.cuda.is_available(), "--cp_backend flex needs a CUDA GPU (FlexAttention "
-         "has no backward on CPU): use --cp_backend dense or auto")
+    need(a.cp_backend not in ("flex", "lse_kernel") or torch.cuda.is_available(), f"--cp_backend {a.cp_backend} "
+         "needs a CUDA GPU (FlexAttention has no backward on CPU; the kernel is Triton's): use --cp_backend dense or auto")
+    need(a.cp_backend != "lse_kernel" or (16 <= a.cp_dim <= 256 and a.cp_dim & (a.cp_dim - 1) == 0),
+         f"--cp_backend lse_kernel needs --cp_dim a power of two from 16 to 256 (a Triton dot's), not {a.cp_dim}")
     need(a.cplm == 1 or a.copy_gate_init == 0, "--copy_gate_init sets the CP head's gate: it needs --cplm 1")
     need(a.cplm == 1 or a.cp_stop_grad != 1, "--cp_stop_grad is an ablation of the CP head: it needs --cplm 1")
     need(a.copy_gate in ("lm", "sentinel") and (a.copy_gate == "lm" or (a.cplm == 1 and a.copy_gate_init == 0)),

@@ -687,7 +687,7 @@ def test_requirements_state_the_need_and_ci_pins_the_cpu_build():
         return [l.split("#")[0].strip() for l in path.read_text().splitlines() if l.split("#")[0].strip()]
     assert requirements(Path(ROOT) / "requirements.txt") == ["torch>=2.11", "numpy", "tiktoken", "huggingface_hub", "pytest",
                                                                "matplotlib", "scipy>=1.11"]
-    assert requirements(Path(ROOT) / ".ci" / "constraints.txt") == ["torch==2.13.0"]
+    assert requirements(Path(ROOT) / ".ci" / "constraints.txt") == ["torch==2.13.0", "triton==3.8.0"]
     ci = (Path(ROOT) / ".ci" / "run").read_text().strip().splitlines()
     install = [l for l in ci if "pip install" in l]
     assert len(install) == 1 and "-r requirements.txt" in install[0] and "-c .ci/constraints.txt" in install[0]

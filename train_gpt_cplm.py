@@ -69,7 +69,7 @@ class Hyperparameters:
     # Copy-Paste head (see CopyPasteHead)
     cplm: int = 0  # 0: vanilla GPT; 1: CPLM (CP head + <copy> gate + mixture loss)
     cp_dim: int = 64  # width of the CP head's queries and keys
-    cp_backend: str = "auto"  # CP sums by "flex" (FlexAttention, CUDA) or "dense" (chunked); auto: flex on CUDA
+    cp_backend: str = "auto"  # CP sums: "flex" (FlexAttention), "dense" (chunked), "lse_kernel" (cp_kernel.py); auto: flex on CUDA
     cp_chunk: int = 0  # dense CP sums: queries per chunk (each chunk a compiled shape); 0: 4096 on CUDA, 512 on CPU
     cp_optimizer: str = "adam"  # W_Q, W_K trained by "adam" (at lr_cp) or "muon" (at lr_muon)
     lr_cp: float = 0.008  # Adam learning rate of W_Q and W_K
@@ -648,8 +648,7 @@ def target_in_context(input_ids, target_ids, doc_ids, vocab):
     return (keys.gather(-1, i) == wanted) & (order.gather(-1, i) <= pos)
 
 
-# the CP head's FlexAttention kernels: 8 warps share inductor's 128 x 128 tile for head dim 64 on sm_90, where 4
-# spilled registers in both forward kernels (ptxas's report, records/gpu/README.md; test_gpu_kernels.py)
+# the CP head's FlexAttention kernels: 8 warps for its 128 x 128 tiles (4 spilled on sm_90: records/gpu/README.md)
 CP_KERNEL_OPTIONS = {"num_warps": 8}
 
 
@@ -658,6 +657,9 @@ def copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk=512
     document (lse_doc) and over those with x_tau = y_t (lse_match). A row with nothing to copy gets its own
     position as the only key instead of an empty set (finite, no NaN gradient); the caller drops it."""
     scale = q.size(-1) ** -0.5
+    if backend == "lse_kernel":  # both sums in one Triton kernel each way, no value (cp_kernel.py)
+        import cp_kernel
+        return cp_kernel.cp_lses(q, k, input_ids, target_ids, doc_ids, copyable)
     if backend == "flex":
         # imported here: vanilla asks no newer torch than the record's own code (AuxRequest came in 2.9)
         from torch.nn.attention.flex_attention import AuxRequest
@@ -683,17 +685,15 @@ def copy_lses(q, k, input_ids, target_ids, doc_ids, copyable, backend, chunk=512
 
     # dense: chunks of queries against the keys of their documents, each chunk recomputed in the backward
     # pass (checkpoint), so memory stays O(chunk x T) instead of O(T x T)
-    doc_start = _document_starts(doc_ids)
-    lse_doc, lse_match = [], []
+    doc_start, parts = _document_starts(doc_ids), []
     for lo in range(0, q.size(1), chunk):
         hi = min(lo + chunk, q.size(1))
         # no key before the first query's document can be used (a host read: eager only)
         k_lo = 0 if torch.compiler.is_compiling() else int(doc_start[:, lo].min())
-        parts = checkpoint(_dense_copy_lse_chunk, q[:, lo:hi], k[:, k_lo:hi], input_ids[:, k_lo:hi],
-                           target_ids[:, lo:hi], doc_ids[:, lo:hi], doc_ids[:, k_lo:hi], copyable[:, lo:hi],
-                           lo, k_lo, scale, use_reentrant=False)
-        lse_doc.append(parts[0])
-        lse_match.append(parts[1])
+        parts.append(checkpoint(_dense_copy_lse_chunk, q[:, lo:hi], k[:, k_lo:hi], input_ids[:, k_lo:hi],
+                                target_ids[:, lo:hi], doc_ids[:, lo:hi], doc_ids[:, k_lo:hi], copyable[:, lo:hi],
+                                lo, k_lo, scale, use_reentrant=False))
+    lse_doc, lse_match = zip(*parts)
     return torch.cat(lse_doc, 1), torch.cat(lse_match, 1)
 
 

@@ -6,12 +6,21 @@ non-zero <copy> bias and bf16 queries and keys; against cplm_log_probs, the dens
 (full distributions, float32, one document at a time) on the same values. Values and gradients (u, q, k,
 sink key, <copy> bias) within bf16 tolerances. Exit 0: pass; 1: a mismatch; 3: the flex CP path failed to
 compile or run (first_call.py then times CPLM with --cp_backend dense and says so).
+
+Then the candidate --cp_backend lse_kernel (cp_kernel.py, not the default; its result leaves the exit code alone):
+its two sums and their gradients from the same bf16 q and k against the dense sums in float32 (the bf16 path the
+CPU tests cannot run: Triton's interpreter has no working bf16 dot), and both CP backends' sums, forward and
+backward, compiled and timed against each other on a 48Ki-token FineWeb-like row (the speedrun's row): the saving
+the roofline puts at up to 0.33 ms a step.
 """
-import sys
+import functools
 import os
+import statistics
+import sys
 import time
 import traceback
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -19,6 +28,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import inference  # noqa: E402
 import train_gpt_cplm as tg  # noqa: E402
 from gpu_turn import take_turn  # noqa: E402
+from prepare_gpu_data import synthetic_tokens  # noqa: E402
 
 BOS, COPY_ID, VP, CAP = 50256, 50257, 50304, 15.0
 
@@ -56,6 +66,76 @@ def reference(u, q, k, sink, bias, ids, targets):
     return torch.cat(parts, 1)
 
 
+def prepare_cp_sums_timing(dev, T=48 * 1024):
+    """Both CP backends' sums (copy_lses), forward and backward, compiled as in training on a FineWeb-like row of T
+    tokens (synthetic_tokens: documents of about 1140 tokens, up to 16Ki) and warmed up: {backend: one step}."""
+    row = torch.from_numpy(synthetic_tokens(T + 1, np.random.default_rng(0)).astype(np.int64))[None, :T + 1].to(dev)
+    ids, targets = row[:, :-1], row[:, 1:]
+    doc_ids = tg.doc_ids_of(ids, BOS)
+    copyable = tg.target_in_context(ids, targets, doc_ids, VP)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k = ((torch.randn(1, T, 64, device=dev, generator=g) * 2).bfloat16().requires_grad_() for _ in range(2))
+    grads = torch.randn(2, 1, T, device=dev, generator=g)
+    steps = {}
+    for backend in ("flex", "lse_kernel"):
+        sums = torch.compile(functools.partial(tg.copy_lses, backend=backend), dynamic=False)
+
+        def step(sums=sums):
+            q.grad = k.grad = None
+            torch.autograd.backward(sums(q, k, ids, targets, doc_ids, copyable), (grads[0], grads[1]))
+        for _ in range(3):
+            step()
+        steps[backend] = step
+    synchronize(dev)
+    return steps
+
+
+def time_cp_sums(steps, rounds=20, per_round=10):
+    """Each backend's ms a step (forward and backward; per_round steps back to back between two CUDA events, so that
+    the GPU's queue stays full), the backends alternating in order round by round: {backend: [ms, one a round]}."""
+    times = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_round):
+                steps[name]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / per_round)
+    return times
+
+
+def lse_kernel_line(dev, ids, targets, q, k):
+    """The candidate lse_kernel's two sums and their gradients (bf16 q and k as given) against the dense sums of
+    the same values in float32, as a report line ending in ok or MISMATCH."""
+    doc_ids = tg.doc_ids_of(ids, BOS)
+    copyable = tg.target_in_context(ids, targets, doc_ids, VP)
+    weights = torch.rand(2, *ids.shape, generator=torch.Generator().manual_seed(1)).to(dev)
+    results = []
+    for backend, (q_in, k_in) in (("lse_kernel", leaves(q, k)), ("dense", leaves(q.float(), k.float()))):
+        lse_doc, lse_match = tg.copy_lses(q_in, k_in, ids, targets, doc_ids, copyable, backend)
+        (lse_doc * weights[0] + lse_match * weights[1]).sum().backward()
+        results.append((lse_doc, lse_match, q_in.grad, k_in.grad))
+    parts, ok = [], True
+    for name, a, b, tolerance in zip(("lse_doc", "lse_match", "dq", "dk"), *results, (1e-4, 1e-4, 2e-2, 2e-2)):
+        a, b = a.float(), b.float()
+        relative = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        ok &= bool(torch.isfinite(a).all()) and relative <= tolerance
+        parts.append(f"{name} {relative:.1e} (<= {tolerance:g})")
+    return (f"lse kernel ({str(q.dtype).split('.')[-1]} q, k; T={ids.size(1)}) against the dense sums, |kernel - "
+            f"dense| / |dense|: " + ", ".join(parts) + (" ok" if ok else " MISMATCH"))
+
+
+def timing_line(times):
+    """The CP sums' time per backend (time_cp_sums' rounds) as a report line."""
+    flex, kernel = (statistics.median(times[b]) for b in ("flex", "lse_kernel"))
+    ratios = sorted(a / b for a, b in zip(times["lse_kernel"], times["flex"]))
+    return (f"CP sums forward + backward on a 48Ki-token row, compiled (median of {len(ratios)} alternating rounds): "
+            f"flex {flex:.3f} ms, lse_kernel {kernel:.3f} ms, the kernel saves {flex - kernel:.3f} ms a row (kernel / "
+            f"flex {statistics.median(ratios):.3f}, the rounds' range {ratios[0]:.3f}-{ratios[-1]:.3f})")
+
+
 def synchronize(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -80,6 +160,13 @@ def main(device="cuda", T=4096, compile_backend="inductor"):
         (warm * weights).sum().backward()  # ...and the backward, which compiles lazily at its first call
         synchronize(dev)
         compile_s = time.perf_counter() - t0
+        timing_steps, kernel_lines = None, ["lse kernel: not checked on a CPU (Triton's kernels need a CUDA GPU)"]
+        if dev.type == "cuda":
+            try:  # the candidate's compile, before the turn: a failure here is its own line, not flex's exit 3
+                timing_steps = prepare_cp_sums_timing(dev)
+            except Exception as e:
+                traceback.print_exc()
+                kernel_lines = [f"lse kernel: FAILED to compile or run ({type(e).__name__}: {str(e)[:200]})"]
         gpu_turn = take_turn()  # first_call.py: the timed part takes its turn on the GPU
         fast_in = leaves(*inputs)
         synchronize(dev)
@@ -96,6 +183,13 @@ def main(device="cuda", T=4096, compile_backend="inductor"):
     ref = reference(*ref_in, ids, targets)
     (ref * weights).sum().backward()
     synchronize(dev)
+    if timing_steps is not None:
+        try:
+            kernel_lines = [lse_kernel_line(dev, ids, targets, inputs[1], inputs[2])]
+            kernel_lines.append(timing_line(time_cp_sums(timing_steps)))
+        except Exception as e:
+            traceback.print_exc()
+            kernel_lines = [f"lse kernel: FAILED ({type(e).__name__}: {str(e)[:200]})"]
     if gpu_turn is not None:
         gpu_turn.close()
     ok = True
@@ -120,6 +214,7 @@ def main(device="cuda", T=4096, compile_backend="inductor"):
         scale = b.grad.abs().max().item()
         check("d/d " + name, a.grad, b.grad, 5e-2, 2e-2 * scale, norm_rtol=2e-2)
     print(f"compile (forward and backward) {compile_s:.1f} s; flex fwd+bwd after it {fast_ms:.1f} ms")
+    print("\n".join(kernel_lines))
     print("cuda cp check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

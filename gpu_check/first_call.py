@@ -673,7 +673,7 @@ def write_summary(report, args, work, jobs, not_started):
     for j in jobs:
         if j.name in SMALL:
             lines = [x for x in j.text().splitlines() if x.strip() and not x.startswith(("REPORT", "USDT"))]
-            shown = ("; " + " | ".join(lines[-9:])) if lines and j.name == "refcheck" else ""
+            shown = ("; " + " | ".join(lines[-11:])) if lines and j.name == "refcheck" else ""
             report(f"{j.name}: {j.status()}{shown}")
         elif j.name.startswith("ab"):
             line, interleaved[j.name] = ab_result(j, jobs)

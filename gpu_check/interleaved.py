@@ -10,7 +10,9 @@ mode's difference to the baseline with the same interval. Then a profile of a fe
     python3 gpu_check/interleaved.py --modes vanilla,cplm_loss,cplm --rounds_s 90 --end_in_s 540 -- <flags>
 
 Mode cplm_loss is vanilla trained through CPLM's form of the LM head's loss with no CP head: with it, CPLM's extra
-time splits into the loss's part and the CP head's (its two sums and the mixture included).
+time splits into the loss's part and the CP head's (its two sums and the mixture included). Mode cplm_kernel is
+CPLM with its two sums in cp_kernel.py's kernel (--cp_backend lse_kernel, CUDA only): --modes cplm,cplm_kernel
+measures what the kernel saves a step.
 
 The first mode is the baseline: each other mode's ratio is to it. The rounds sample the flags' schedule
 (--num_iterations, the record's 1770 by default) evenly: round r trains at step r x num_iterations / R, so the
@@ -41,7 +43,7 @@ import train_gpt_cplm as tg  # noqa: E402
 from gpu_turn import limit_gpu_memory, take_turn  # noqa: E402
 
 MODES = {"vanilla": dict(cplm=0), "cplm_loss": dict(cplm=0), "cplm": dict(cplm=1, copy_gate="lm"),
-         "sentinel": dict(cplm=1, copy_gate="sentinel")}
+         "sentinel": dict(cplm=1, copy_gate="sentinel"), "cplm_kernel": dict(cplm=1, cp_backend="lse_kernel")}
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -411,7 +413,7 @@ def device_for_run():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="vanilla,cplm", help="the baseline first; vanilla, cplm_loss (vanilla's loss in "
-                   "CPLM's form, no CP head), cplm, sentinel")
+                   "CPLM's form, no CP head), cplm, sentinel, cplm_kernel (CPLM's sums by cp_kernel.py, CUDA)")
     p.add_argument("--rounds_s", type=float, default=90, help="time for the timed rounds (after warm-up)")
     p.add_argument("--min_rounds", type=int, default=200, help="fewer only where --end_in_s leaves no time")
     p.add_argument("--end_in_s", type=float, default=1e9, help="everything done by then (the profile included)")
@@ -436,6 +438,8 @@ def main(argv=None):
         p.error(f"--modes: two or more distinct names of {', '.join(MODES)}, the baseline first")
     a = tg.resolve_vocabulary(tg.parse_args(args.train_flags))
     device = device_for_run()
+    if "cplm_kernel" in names and device.type != "cuda":
+        p.error("--modes cplm_kernel needs a CUDA GPU (cp_kernel.py's Triton kernels)")
     if device.type == "cuda" and a.coordinate_descent and a.compile != 0:
         torch._inductor.config.coordinate_descent_tuning = True  # as train(): a longer compile, faster kernels
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)  # several models, one code

@@ -392,11 +392,17 @@ def compile_cubin(kernel: FlexKernel) -> dict:
     source = ASTSource(autotuner.fn, meta["signature"], meta.get("constants", {}), meta["configs"][0])
     binary = triton.compile(source, target=GPUTarget("cuda", capability(), 32),
                             options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages, debug=False))
+    return ptxas_report(binary)
+
+
+def ptxas_report(binary) -> dict:
+    """ptxas's report on a kernel Triton compiled for a CUDA card: its machine code's size, shared memory (bytes,
+    dynamic), registers per thread, stack frame and spills (bytes)."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(binary.asm["ptx"])
-        arch = next(a for a in (f"sm_{capability()}a", f"sm_{capability()}") if a in binary.asm["ptx"])
+        arch = re.search(r"^\.target\s+(sm_\w+)", binary.asm["ptx"], re.M)[1]  # as compiled: sm_90a where it may
         report = subprocess.run([triton_tool("ptxas"), "-v", f"--gpu-name={arch}", ptx, "-o", os.path.join(tmp, "k.cubin")],
                                 capture_output=True, text=True, check=True).stderr
     number = lambda pattern: int(re.search(pattern, report)[1])  # noqa: E731

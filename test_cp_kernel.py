@@ -1,0 +1,241 @@
+"""cp_kernel.py (--cp_backend lse_kernel) against the dense CP sums, in Triton's interpreter on the CPU: both
+log-sum-exps and their gradients, at block sizes small enough that rows cross many tiles, through the whole
+mixture loss, and compiled to sm_80 and sm_90 machine code by Triton's own ptxas (registers, spills).
+
+In float32 only: the interpreter's tl.dot of bf16 operands returns garbage (a bf16 dot of two 16 x 16 tiles was
+off by 1e10 in Triton 3.6 and 3.8, where float32 was exact), so the bf16 path training runs (the score gradients
+rounded to bf16 for the backward's dots, dq and dk stored in bf16) is checked on a GPU, against the dense sums, by
+gpu_check/cuda_cp_check.py.
+
+Needs Triton (the default CUDA wheel of torch brings it; with the CPU build, `pip install triton`); Triton 3.6
+and older run their interpreter only with numpy < 2.3.
+"""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_gpt_cplm as tg
+
+
+def skip_reason():
+    if importlib.util.find_spec("triton") is None:
+        return "the CP kernel's tests need Triton: pip install triton"
+    import numpy
+    import triton
+    version = lambda v: tuple(int(x) for x in re.findall(r"\d+", v)[:2])  # noqa: E731
+    if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 3):
+        return (f"Triton {triton.__version__}'s interpreter fails with numpy {numpy.__version__} ('only 0-dimensional "
+                "arrays can be converted to Python scalars'): use numpy < 2.3 or a newer Triton")
+    return None
+
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+HERE = os.path.dirname(os.path.abspath(__file__))
+BOS, VP = 60, 64  # a small alphabet: many targets occur earlier in their document
+
+
+def rows(B=2, T=160, seed=0):
+    """Packed rows: documents that start mid-tile, one of a single token, one long enough to span many tiles,
+    targets that never occur (45 is not in the alphabet of 40), and tokens repeated (x_t = y_t)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 40, (B, T), generator=g)
+    ids[:, 0] = BOS
+    ids[0, [37, 38, 120]] = BOS  # a document of one token at 37
+    ids[1, [7, 100]] = BOS
+    ids[:, 130:140] = 5
+    targets = torch.roll(ids, -1, 1)
+    targets[:, ::13] = 45
+    doc_ids = tg.doc_ids_of(ids, BOS)
+    return ids, targets, doc_ids, tg.target_in_context(ids, targets, doc_ids, VP)
+
+
+def lses_and_grads(backend, q, k, ids, targets, doc_ids, copyable, weights):
+    q, k = (t.detach().clone().requires_grad_() for t in (q, k))
+    lse_doc, lse_match = tg.copy_lses(q, k, ids, targets, doc_ids, copyable, backend)
+    (lse_doc * weights[0] + lse_match * weights[1]).sum().backward()
+    return dict(lse_doc=lse_doc, lse_match=lse_match, dq=q.grad, dk=k.grad)
+
+
+def differences(fast, dense):
+    """Per quantity: the largest |fast - dense|, the largest |dense|, |fast - dense| / |dense| as vectors, whether
+    fast is finite everywhere, fast's dtype."""
+    return {name: dict(max_abs=(a.float() - b.float()).abs().max().item(), max_ref=b.abs().max().item(),
+                       relative=((a.float() - b.float()).norm() / b.float().norm()).item(),
+                       finite=bool(torch.isfinite(a).all()), dtype=str(a.dtype).split(".")[-1])
+            for (name, a), b in zip(fast.items(), dense.values())}
+
+
+BLOCKS = [(64, 64), (16, 16), (32, 16), (16, 32)]
+
+
+def run_cases():
+    """Every case, in this process (which runs the kernels in Triton's interpreter): {case: differences}."""
+    import cp_kernel
+    results = {}
+    for block_m, block_n in BLOCKS:  # rows cross many tiles; query and key tiles of different sizes
+        cp_kernel.BLOCK_M, cp_kernel.BLOCK_N = block_m, block_n
+        data = rows()
+        g = torch.Generator().manual_seed(1)
+        q, k = (torch.randn(2, 160, 16, generator=g) * 2 for _ in range(2))
+        weights = torch.rand(2, 2, 160, generator=g)  # a random linear function of both: every gradient differs
+        results[f"float32 {block_m}x{block_n}"] = differences(lses_and_grads("lse_kernel", q, k, *data, weights),
+                                                              lses_and_grads("dense", q, k, *data, weights))
+    cp_kernel.BLOCK_M, cp_kernel.BLOCK_N = BLOCKS[0]
+    ids, targets, doc_ids, copyable = rows(seed=4)  # the script's mixture loss, its every input's gradient
+    g = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(2, 160, VP, generator=g) * 3, torch.randn(2, 160, 32, generator=g),
+              torch.randn(2, 160, 32, generator=g), torch.randn(32, generator=g), torch.tensor(2.0)]
+    weights = torch.rand(2, 160, generator=g)
+    loss = []
+    for backend in ("lse_kernel", "dense"):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        log_p = tg.cplm_target_log_prob(*leaves[:4], ids, targets, doc_ids, copyable, BOS + 1, leaves[4], 15.0,
+                                        backend=backend)["log_p"]
+        (log_p * weights).sum().backward()
+        loss.append(dict(zip(["log p", "d/du", "d/dq", "d/dk", "d/dsink", "d/dbias"],
+                             [log_p] + [t.grad for t in leaves])))
+    results["mixture"] = differences(*loss)
+    sys.path.insert(0, os.path.join(HERE, "gpu_check"))
+    import cuda_cp_check  # the GPU check's own line on the kernel, on its packed row (float32 here)
+    g = torch.Generator().manual_seed(6)
+    ids, targets = cuda_cp_check.packed_row(768, g)  # documents of ~700 tokens: one boundary
+    q, k = (torch.randn(1, 768, 64, generator=g) * 2 for _ in range(2))
+    results["gpu check line"] = cuda_cp_check.lse_kernel_line("cpu", ids, targets, q, k)
+    cp_kernel.LOG2E = 1.0  # a planted fault: the kernel's scores in base e where it takes base 2
+    results["gpu check line, base-2 slip"] = cuda_cp_check.lse_kernel_line("cpu", ids, targets, q, k)
+    cp_kernel.LOG2E = 1.4426950408889634
+    try:
+        cp_kernel.cp_lses(torch.randn(2, 160, 48), torch.randn(2, 160, 48), *rows())
+        results["cp_dim 48"] = "accepted"
+    except ValueError as e:
+        results["cp_dim 48"] = str(e)
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """run_cases() in a process of its own, with TRITON_INTERPRET=1 set before Triton is imported (a kernel
+    interpreted after Triton's own functions were compiled as GPU code fails, and other test files import it)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=HERE, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("blocks", BLOCKS)
+def test_both_lses_and_their_gradients_match_the_dense_sums(interpreted, blocks):
+    for name, d in interpreted[f"float32 {blocks[0]}x{blocks[1]}"].items():
+        assert d["finite"] and d["max_abs"] <= 1e-5 * max(1, d["max_ref"]), (blocks, name, d)
+
+
+def test_the_mixture_loss_through_the_kernel_matches_the_dense_one(interpreted):
+    """cplm_target_log_prob, the script's loss, with the kernel's sums against the dense ones: log p(y) and the
+    gradients of every input (the LM head's output, q, k, the sink key, the <copy> bias)."""
+    assert set(interpreted["mixture"]) == {"log p", "d/du", "d/dq", "d/dk", "d/dsink", "d/dbias"}
+    for name, d in interpreted["mixture"].items():
+        assert d["finite"] and d["max_abs"] <= 1e-5 * max(1, d["max_ref"]), (name, d)
+
+
+def test_a_cp_dim_the_kernel_cannot_take_is_one_line(interpreted):
+    assert interpreted["cp_dim 48"] == "--cp_backend lse_kernel needs --cp_dim a power of two from 16 to 256, not 48"
+
+
+def test_the_gpu_checks_line_passes_the_kernel_and_fails_a_base_2_slip(interpreted):
+    """gpu_check/cuda_cp_check.py's line on the kernel (run on a GPU with bf16 q and k) here in float32: ok, and
+    MISMATCH once the kernel takes its scores in the wrong base."""
+    assert interpreted["gpu check line"].endswith(" ok"), interpreted["gpu check line"]
+    assert interpreted["gpu check line, base-2 slip"].endswith(" MISMATCH"), interpreted["gpu check line, base-2 slip"]
+
+
+def test_the_gpu_checks_timing_line_says_which_is_faster():
+    sys.path.insert(0, os.path.join(HERE, "gpu_check"))
+    import cuda_cp_check
+    line = cuda_cp_check.timing_line({"flex": [0.70, 0.72, 0.71], "lse_kernel": [0.40, 0.45, 0.41]})
+    assert "flex 0.710 ms, lse_kernel 0.410 ms, the kernel saves 0.300 ms a row" in line, line
+    assert "median of 3 alternating rounds" in line and "range 0.571-0.625" in line, line
+
+
+GPU_SIDE = """
+import json, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sys.path[:0] = [".", "gpu_check"]
+import cp_kernel
+import preflight
+import train_gpt_cplm as tg
+pointers = dict(Q="*bf16", K="*bf16", IDS="*i32", TARGETS="*i32", DOCS="*i32", OWN_ONLY="*i8", DOC_START="*i32")
+forward = dict(pointers, LSE_DOC="*fp32", LSE_MATCH="*fp32", T="i32", scale_log2="fp32")
+backward = dict(pointers, DOC_END="*i32", LSE_DOC="*fp32", LSE_MATCH="*fp32", GRAD_DOC="*fp32", GRAD_MATCH="*fp32",
+                DQ="*bf16", DK="*bf16", T="i32", scale="fp32", scale_log2="fp32")
+for capability in (80, 90):
+    for name, fn, signature, extra in (("forward", cp_kernel._forward, forward, {}),
+                                       ("backward dq", cp_kernel._backward, backward, dict(FOR_KEYS=False)),
+                                       ("backward dk", cp_kernel._backward, backward, dict(FOR_KEYS=True))):
+        constants = dict(D=64, BLOCK_M=cp_kernel.BLOCK_M, BLOCK_N=cp_kernel.BLOCK_N, **extra)
+        signature = dict(signature, **{c: "constexpr" for c in constants})
+        binary = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", capability, 32),
+                                options=dict(num_warps=cp_kernel.NUM_WARPS))
+        print(json.dumps(dict(preflight.ptxas_report(binary), kernel=name, capability=capability)))
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(0, 3000, (1, 1024), generator=g)
+ids[0, ::300] = 50256
+targets = torch.roll(ids, -1, 1)
+q, k = ((torch.randn(1, 1024, 64, generator=g)).bfloat16().requires_grad_() for _ in range(2))
+
+
+def cp_sums(q, k, ids, targets):
+    doc_ids = tg.doc_ids_of(ids, 50256)
+    copyable = tg.target_in_context(ids, targets, doc_ids, 50304)
+    lse_doc, lse_match = tg.copy_lses(q, k, ids, targets, doc_ids, copyable, "lse_kernel")
+    return (lse_doc - lse_match).sum()
+
+
+with preflight._as_gpu():
+    graphs = preflight.lower(cp_sums, q, k, ids, targets, sm90=True)
+print(json.dumps({"lowered": [[r.kind, r.codegen, r.error] for r in graphs]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def gpu_side():
+    """The kernels compiled to sm_80 and sm_90 machine code (ptxas's reports), and the CP sums with this backend
+    compiled as torch.compile compiles them on a GPU, in a process of its own (here the kernels are interpreted):
+    [report per kernel and card], [(graph, code generation reached, error)]."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", GPU_SIDE], cwd=HERE, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return lines[:-1], lines[-1]["lowered"]
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_the_kernels_compile_for_the_card_without_spilling(gpu_side, capability):
+    """The kernels as the speedrun runs them (bf16 q and k, head dim 64) compiled to sm_80 and sm_90 machine code
+    with Triton's bundled ptxas: nothing spills to local memory, and the tiles fit the shared memory a thread block
+    may have on an A100 (163 KiB) or an H100 (227)."""
+    reports = [r for r in gpu_side[0] if r["capability"] == capability]
+    assert [r["kernel"] for r in reports] == ["forward", "backward dq", "backward dk"], gpu_side[0]
+    for r in reports:
+        assert r["arch"].startswith(f"sm_{capability}"), r
+        assert r["spill_stores"] == r["spill_loads"] == 0, r
+        assert r["shared"] <= 163 * 1024, r
+
+
+def test_the_kernels_trace_and_lower_through_inductor_as_on_a_gpu(gpu_side):
+    """The CP sums with --cp_backend lse_kernel under torch.compile as on a GPU (the kernels as opaque triton ops,
+    their autograd): the forward and backward graphs lowered by inductor up to code generation."""
+    assert gpu_side[1] == [["forward", True, None], ["backward", True, None]], gpu_side[1]
+
+
+if __name__ == "__main__":  # the interpreted cases (the fixture above runs this with TRITON_INTERPRET=1)
+    print(json.dumps(run_cases()))
