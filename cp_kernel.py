@@ -46,8 +46,10 @@ def _masks(offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k):
 
 
 @triton.jit
-def _forward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, LSE_DOC, LSE_MATCH, T, scale_log2,
-             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _forward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, LSE_DOC, LSE_MATCH, T,
+             SCALE_LOG2: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Both log-sum-exps of a query block, in float32, over the key blocks from its document's start (base-2 sums:
+    the scale is the score scale times log2 e; a constant, as a float argument would be fp64 under inductor)."""
     m_block, row = tl.program_id(0), tl.program_id(1) * T
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
@@ -68,7 +70,7 @@ def _forward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, LSE_DOC, LSE_MATCH, 
         k = tl.load(K + (row + offs_n)[:, None] * D + offs_d[None, :], mask=in_n[:, None], other=0.0)
         doc_k = tl.load(DOCS + row + offs_n, mask=in_n, other=-2)
         ids_k = tl.load(IDS + row + offs_n, mask=in_n, other=-2)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k)) * SCALE_LOG2
         causal_doc, match = _masks(offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k)
         doc_max, doc_sum = _online_lse(doc_max, doc_sum, s, causal_doc)
         match_max, match_sum = _online_lse(match_max, match_sum, s, match)
@@ -88,7 +90,7 @@ def _score_grads(q, k, offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k
 
 @triton.jit
 def _backward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, DOC_END, LSE_DOC, LSE_MATCH, GRAD_DOC, GRAD_MATCH,
-              DQ, DK, T, scale, scale_log2,
+              DQ, DK, T, SCALE: tl.constexpr, SCALE_LOG2: tl.constexpr,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOR_KEYS: tl.constexpr):
     """dq, a program per query block; or (FOR_KEYS, a launch of its own: fewer registers than both in one) dk, a
     program per key block."""
@@ -115,9 +117,9 @@ def _backward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, DOC_END, LSE_DOC, L
             doc_k = tl.load(DOCS + row + offs_n, mask=in_n, other=-2)
             ids_k = tl.load(IDS + row + offs_n, mask=in_n, other=-2)
             ds = _score_grads(q, k, offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k, lse_doc2, lse_match2,
-                              grad_doc, grad_match, scale_log2)
+                              grad_doc, grad_match, SCALE_LOG2)
             dq += tl.dot(ds.to(k.dtype), k)
-        tl.store(DQ + (row + offs_m)[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+        tl.store(DQ + (row + offs_m)[:, None] * D + offs_d[None, :], (dq * SCALE).to(DQ.dtype.element_ty),
                  mask=in_m[:, None])
     else:
         n_block = pid
@@ -141,9 +143,9 @@ def _backward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, DOC_END, LSE_DOC, L
             grad_doc = tl.load(GRAD_DOC + row + offs_m, mask=in_m, other=0.0)
             grad_match = tl.load(GRAD_MATCH + row + offs_m, mask=in_m, other=0.0)
             ds = _score_grads(q, k, offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k, lse_doc2, lse_match2,
-                              grad_doc, grad_match, scale_log2)
+                              grad_doc, grad_match, SCALE_LOG2)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-        tl.store(DK + (row + offs_n)[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+        tl.store(DK + (row + offs_n)[:, None] * D + offs_d[None, :], (dk * SCALE).to(DK.dtype.element_ty),
                  mask=in_n[:, None])
 
 
@@ -161,7 +163,7 @@ def _cp_lses(q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, targets: torch
     lse_doc = torch.empty(B, T, device=q.device, dtype=torch.float32)
     lse_match = torch.empty_like(lse_doc)
     torch.library.wrap_triton(_forward)[(triton.cdiv(T, BLOCK_M), B)](
-        q, k, ids, targets, docs, own_only, doc_start, lse_doc, lse_match, T, D ** -0.5 * LOG2E,
+        q, k, ids, targets, docs, own_only, doc_start, lse_doc, lse_match, T, SCALE_LOG2=D ** -0.5 * LOG2E,
         D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
     return lse_doc, lse_match
 
@@ -176,7 +178,7 @@ def _cp_lses_backward(q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, targe
     for for_keys, blocks in ((False, triton.cdiv(T, BLOCK_M)), (True, triton.cdiv(T, BLOCK_N))):
         torch.library.wrap_triton(_backward)[(blocks, B)](
             q, k, ids, targets, docs, own_only, doc_start, doc_end, lse_doc, lse_match, grad_doc, grad_match, dq, dk,
-            T, D ** -0.5, D ** -0.5 * LOG2E, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FOR_KEYS=for_keys,
+            T, SCALE=D ** -0.5, SCALE_LOG2=D ** -0.5 * LOG2E, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FOR_KEYS=for_keys,
             num_warps=NUM_WARPS)
     return dq, dk
 

@@ -173,14 +173,15 @@ import cp_kernel
 import preflight
 import train_gpt_cplm as tg
 pointers = dict(Q="*bf16", K="*bf16", IDS="*i32", TARGETS="*i32", DOCS="*i32", OWN_ONLY="*i8", DOC_START="*i32")
-forward = dict(pointers, LSE_DOC="*fp32", LSE_MATCH="*fp32", T="i32", scale_log2="fp32")
+forward = dict(pointers, LSE_DOC="*fp32", LSE_MATCH="*fp32", T="i32")
 backward = dict(pointers, DOC_END="*i32", LSE_DOC="*fp32", LSE_MATCH="*fp32", GRAD_DOC="*fp32", GRAD_MATCH="*fp32",
-                DQ="*bf16", DK="*bf16", T="i32", scale="fp32", scale_log2="fp32")
+                DQ="*bf16", DK="*bf16", T="i32")
 for capability in (80, 90):
     for name, fn, signature, extra in (("forward", cp_kernel._forward, forward, {}),
                                        ("backward dq", cp_kernel._backward, backward, dict(FOR_KEYS=False)),
                                        ("backward dk", cp_kernel._backward, backward, dict(FOR_KEYS=True))):
-        constants = dict(D=64, BLOCK_M=cp_kernel.BLOCK_M, BLOCK_N=cp_kernel.BLOCK_N, **extra)
+        constants = dict(D=64, BLOCK_M=cp_kernel.BLOCK_M, BLOCK_N=cp_kernel.BLOCK_N, SCALE_LOG2=cp_kernel.LOG2E / 8,
+                         **extra, **({"SCALE": 1 / 8} if "FOR_KEYS" in extra else {}))
         signature = dict(signature, **{c: "constexpr" for c in constants})
         binary = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", capability, 32),
                                 options=dict(num_warps=cp_kernel.NUM_WARPS))
@@ -235,6 +236,27 @@ def test_the_kernels_trace_and_lower_through_inductor_as_on_a_gpu(gpu_side):
     """The CP sums with --cp_backend lse_kernel under torch.compile as on a GPU (the kernels as opaque triton ops,
     their autograd): the forward and backward graphs lowered by inductor up to code generation."""
     assert gpu_side[1] == [["forward", True, None], ["backward", True, None]], gpu_side[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                    reason="compiling every kernel needs fake CUDA tensors: a CUDA build of torch (the default wheel)")
+def test_a_training_step_with_the_kernel_compiles_for_sm_90():
+    """A CPLM training step with --cp_backend lse_kernel (2 layers, 1024-token rows) through inductor's CUDA path,
+    every kernel compiled for an H100/H200 (sm_90), the CP kernels among them: inductor passes their float
+    arguments as fp64 (a scale argument made the running sums fp64, which Triton refused), so they take constants.
+    About a minute (Slow: -m slow)."""
+    sys.path.insert(0, os.path.join(HERE, "gpu_check"))
+    import preflight
+    with preflight.card("sm_90") as gpu:
+        model = preflight.cuda_path_model(1, 1024, num_layers=2)
+        model.cp_backend = "lse_kernel"
+        kernels, seconds, _ = preflight.compile_every_kernel(model, *preflight.packed_row(1024, 0),
+                                                             torch.tensor(14, dtype=torch.int32))
+    names = {(k.graph, k.name) for k in kernels}
+    assert {("forward", "_forward"), ("backward", "_backward")} <= names, sorted(names)
+    too_big = [(k.graph, k.name, k.shared) for k in kernels if k.shared > gpu.shared_memory_per_block_optin]
+    assert not too_big and all(len(k.cubin) > 0 for k in kernels), too_big
 
 
 if __name__ == "__main__":  # the interpreted cases (the fixture above runs this with TRITON_INTERPRET=1)
