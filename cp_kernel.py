@@ -46,7 +46,7 @@ def _masks(offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k):
 
 
 @triton.jit
-def _forward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, LSE_DOC, LSE_MATCH, T,
+def cp_lses_forward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, LSE_DOC, LSE_MATCH, T,
              SCALE_LOG2: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Both log-sum-exps of a query block, in float32, over the key blocks from its document's start (base-2 sums:
     the scale is the score scale times log2 e; a constant, as a float argument would be fp64 under inductor)."""
@@ -89,7 +89,7 @@ def _score_grads(q, k, offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k
 
 
 @triton.jit
-def _backward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, DOC_END, LSE_DOC, LSE_MATCH, GRAD_DOC, GRAD_MATCH,
+def cp_lses_backward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, DOC_END, LSE_DOC, LSE_MATCH, GRAD_DOC, GRAD_MATCH,
               DQ, DK, T, SCALE: tl.constexpr, SCALE_LOG2: tl.constexpr,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOR_KEYS: tl.constexpr):
     """dq, a program per query block; or (FOR_KEYS, a launch of its own: fewer registers than both in one) dk, a
@@ -162,7 +162,7 @@ def _cp_lses(q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, targets: torch
     B, T, D = q.shape
     lse_doc = torch.empty(B, T, device=q.device, dtype=torch.float32)
     lse_match = torch.empty_like(lse_doc)
-    torch.library.wrap_triton(_forward)[(triton.cdiv(T, BLOCK_M), B)](
+    torch.library.wrap_triton(cp_lses_forward)[(triton.cdiv(T, BLOCK_M), B)](
         q, k, ids, targets, docs, own_only, doc_start, lse_doc, lse_match, T, SCALE_LOG2=D ** -0.5 * LOG2E,
         D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
     return lse_doc, lse_match
@@ -176,7 +176,7 @@ def _cp_lses_backward(q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, targe
     B, T, D = q.shape
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     for for_keys, blocks in ((False, triton.cdiv(T, BLOCK_M)), (True, triton.cdiv(T, BLOCK_N))):
-        torch.library.wrap_triton(_backward)[(blocks, B)](
+        torch.library.wrap_triton(cp_lses_backward)[(blocks, B)](
             q, k, ids, targets, docs, own_only, doc_start, doc_end, lse_doc, lse_match, grad_doc, grad_match, dq, dk,
             T, SCALE=D ** -0.5, SCALE_LOG2=D ** -0.5 * LOG2E, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FOR_KEYS=for_keys,
             num_warps=NUM_WARPS)

@@ -177,9 +177,9 @@ forward = dict(pointers, LSE_DOC="*fp32", LSE_MATCH="*fp32", T="i32")
 backward = dict(pointers, DOC_END="*i32", LSE_DOC="*fp32", LSE_MATCH="*fp32", GRAD_DOC="*fp32", GRAD_MATCH="*fp32",
                 DQ="*bf16", DK="*bf16", T="i32")
 for capability in (80, 90):
-    for name, fn, signature, extra in (("forward", cp_kernel._forward, forward, {}),
-                                       ("backward dq", cp_kernel._backward, backward, dict(FOR_KEYS=False)),
-                                       ("backward dk", cp_kernel._backward, backward, dict(FOR_KEYS=True))):
+    for name, fn, signature, extra in (("forward", cp_kernel.cp_lses_forward, forward, {}),
+                                       ("backward dq", cp_kernel.cp_lses_backward, backward, dict(FOR_KEYS=False)),
+                                       ("backward dk", cp_kernel.cp_lses_backward, backward, dict(FOR_KEYS=True))):
         constants = dict(D=64, BLOCK_M=cp_kernel.BLOCK_M, BLOCK_N=cp_kernel.BLOCK_N, SCALE_LOG2=cp_kernel.LOG2E / 8,
                          **extra, **({"SCALE": 1 / 8} if "FOR_KEYS" in extra else {}))
         signature = dict(signature, **{c: "constexpr" for c in constants})
@@ -254,7 +254,7 @@ def test_a_training_step_with_the_kernel_compiles_for_sm_90():
         kernels, seconds, _ = preflight.compile_every_kernel(model, *preflight.packed_row(1024, 0),
                                                              torch.tensor(14, dtype=torch.int32))
     names = {(k.graph, k.name) for k in kernels}
-    assert {("forward", "_forward"), ("backward", "_backward")} <= names, sorted(names)
+    assert {("forward", "cp_lses_forward"), ("backward", "cp_lses_backward")} <= names, sorted(names)
     too_big = [(k.graph, k.name, k.shared) for k in kernels if k.shared > gpu.shared_memory_per_block_optin]
     assert not too_big and all(len(k.cubin) > 0 for k in kernels), too_big
 

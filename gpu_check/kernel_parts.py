@@ -80,4 +80,6 @@ def part_of_kernel(name, parts):
     """A profiled kernel's part: recorded, or a library call's, or generated but unrecorded."""
     if name in parts:
         return parts[name]
+    if name.startswith("cp_lses_"):  # cp_kernel.py's, written by hand (--cp_backend lse_kernel): the CP sums
+        return "CP head and mixture"
     return UNKNOWN if name.startswith(("triton_", "cpp_")) else LIBRARY
