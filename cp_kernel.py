@@ -13,7 +13,9 @@ dq (a program per query block) and dk (a program per key block) from
 Tiles are skipped by the document bounds alone: a query block starts at its first query's document start, a key
 block's queries end at its last key's document end (documents are contiguous: doc_ids never decrease).
 
-The roofline (gpu_check/roofline.py) puts the saving at up to 0.33 ms a step of the speedrun on an H100 or H200.
+The roofline (gpu_check/roofline.py, records/gpu/roofline.md) puts the saving at up to 0.40 ms a step of the
+speedrun on an H100 or H200 (CPLM / vanilla 1.010 -> 1.005): the 64-row query blocks halve the longest document's
+loop, which sets the CP sums' time.
 gpu_check/cuda_cp_check.py checks it against the dense reference and times it against FlexAttention on a GPU;
 test_cp_kernel.py checks values and gradients in Triton's interpreter on a CPU and compiles it for sm_80/90.
 """

@@ -424,13 +424,13 @@ def representative_tiles(T, seed=0, a=None):
             "CP match mask": (whole[0], whole[0], whole[2])}  # all partial: the token test runs in every tile
 
 
-def flex_kernels(op, tiles, matmuls=None, vectors=None, lses=None, delta=None):
+def flex_kernels(op, tiles, matmuls=None, vectors=None, lses=None, delta=None, block=128):
     """The kernels of a FlexAttention op, from its tiles: per tile two matmuls forward (Q K^T, P V) and five backward
     (Q K^T again, dP, dV, dQ, dK), 128 x 128 x d each (x dv, the value's width, for P V, dP and dV); HBM bytes: q,
     k, v, the output and the LSE (forward), q, k, v, the output's gradient, dq, dk, dv, the LSE and delta
     (backward), bf16; K and V re-read per tile from L2, not
     HBM. The backward starts with its own kernel for delta (the row sums of the output times its gradient). matmuls,
-    vectors, lses, delta: another kernel's (an LSE-only one). Timed by seconds()."""
+    vectors, lses, delta, block (its tiles' side): another kernel's (an LSE-only one). Timed by seconds()."""
     backward = op["backward"]
     d, dv = op["d"], op.get("dv", op["d"])  # the value's width (the CP head's: 16, a zero) sets P V's, dP's, dV's
     lses = lses or (2 if backward else 1)
@@ -438,7 +438,7 @@ def flex_kernels(op, tiles, matmuls=None, vectors=None, lses=None, delta=None):
     if matmuls is None:  # forward Q K^T (d), P V (dv); backward Q K^T, dQ, dK (d), dP, dV (dv)
         tile_flops = 2 * 128 * 128 * ((3 * d + 2 * dv) if backward else (d + dv))
     else:  # an LSE-only kernel's: every matmul d wide
-        tile_flops = matmuls * 2 * 128 * 128 * d
+        tile_flops = matmuls * 2 * block * block * d
     # forward q, k (d wide), v, the output (dv); backward q, k, dq, dk (d) and v, the output's gradient, dv (dv)
     moved = vectors * d * row if vectors is not None else row * ((4 * d + 3 * dv) if backward else (2 * d + 2 * dv))
     kernel = dict(graph=op["graph"], what="flex " + ("backward" if backward else "forward"),
@@ -578,6 +578,40 @@ def changes(modes, tiles, card):
     return out
 
 
+def kernel_tiles(T, block, seed=0):
+    """The tiles cp_kernel.py's programs visit on the representative row (representative_tiles'), block x block:
+    {"queries": ..., "keys": ...}, each (tiles, 0, the longest loop). A query block's loop (the forward, dq) runs from
+    its first query's document start to itself; a key block's (dk) from itself to its last key's document end."""
+    ids = torch.from_numpy(synthetic_tokens(T + 1, np.random.default_rng(seed))[:T].astype(np.int64))
+    doc_ids = tg.doc_ids_of(ids[None], 50256)[0]
+    start = torch.searchsorted(doc_ids, doc_ids, side="left")
+    end = torch.searchsorted(doc_ids, doc_ids, side="right") - 1
+    first = torch.arange(0, T, block)
+    last = torch.clamp(first + block, max=T) - 1
+    loops = {"queries": first // block - start[first] // block + 1, "keys": end[last] // block - first // block + 1}
+    return {side: (int(n.sum()), 0, int(n.max())) for side, n in loops.items()}
+
+
+def as_written(modes, card):
+    """(kernels now, kernels after, (ms saved, with launches)) on the card for the LSE-only kernel as cp_kernel.py
+    writes it: a forward (one matmul a tile; reads q and k, writes both LSEs), dq (two: Q K^T again and dS K) and dk
+    (Q K^T and dS^T Q), each reading q, k, both LSEs and their gradients; 64 x 64 tiles from kernel_tiles; the int32
+    ids, targets, document ids and bounds and the int8 flags, 21 bytes a token, counted as 5.25 float rows."""
+    cplm = modes["CPLM"]["kernels"]
+    op = next(o for o in modes["CPLM"]["flex"] if o["role"] == "CP document mask")
+    tiles = kernel_tiles(op["T"], 64)
+    ints = 21 / 4
+    new = [*flex_kernels(dict(op, backward=False), tiles["queries"], matmuls=1, vectors=2, lses=2 + ints, block=64),
+           *flex_kernels(dict(op, backward=True), tiles["queries"], matmuls=2, vectors=3, lses=4 + ints, delta=False,
+                         block=64),
+           *flex_kernels(dict(op, backward=True), tiles["keys"], matmuls=2, vectors=3, lses=4 + ints, delta=False,
+                         block=64)]
+    old = [k for k in cplm if k["category"] == CATEGORIES[1] and k["what"].startswith("flex")]
+    (a, b), (c, d) = ((sum(t), sum(max(x, LAUNCH_FLOOR_S) for x in t)) for t in
+                      ([seconds(k, card) for k in old], [seconds(k, card) for k in new]))
+    return len(old), len(new), (a - c, b - d)
+
+
 def markdown(modes, tiles, T, wall_s, cards, a=None, command=None):
     """The report: a (Hyperparameters) the model's and schedule's preset (the speedrun's by default), command the
     one that made it."""
@@ -709,6 +743,15 @@ def markdown(modes, tiles, T, wall_s, cards, a=None, command=None):
         sr, sf = (sum(v[2][i] for v in c.values()) for i in (0, 1))
         cells.append(f"{(cr - sr) / vr:.4f} ({(cf - sf) / vf:.4f})")
     lines.append("| CPLM / vanilla after all three | | " + " | ".join(cells) + " |")
+    written = [as_written(modes, card) for card in cards]
+    lines.append(f"| the first as cp_kernel.py writes it (--cp_backend lse_kernel: a forward, dq and dk; 64 x 64 "
+                 f"tiles) | {written[0][0]}, {written[0][1]} | " + " | ".join(
+                     f"{w[2][0] * ms:.2f} ({w[2][1] * ms:.2f})" for w in written) + " |")
+    cells = []
+    for card, w in zip(cards, written):
+        (vr, vf), (cr, cf) = step_floor(modes["vanilla"], card), step_floor(modes["CPLM"], card)
+        cells.append(f"{(cr - w[2][0]) / vr:.4f} ({(cf - w[2][1]) / vf:.4f})")
+    lines.append("| CPLM / vanilla with cp_kernel.py | | " + " | ".join(cells) + " |")
     lines += ["", "## The CP head's FlexAttention ops and attention's, from their tiles", "",
               f"Tiles of 128 x 128 visited on a {T // 1024}Ki-token synthetic row (sum L^2 / T^2 as the GPU check's "
               f"data); attention's windows averaged over the {a.preset} preset's {a.num_iterations} steps "
