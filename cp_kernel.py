@@ -7,8 +7,8 @@ What it computes is copy_lses' (train_gpt_cplm.py): for every query t, over the 
     lse_match[t] = logsumexp_tau a_t(tau) over those with x_tau = y_t (only tau = t where t has nothing to copy)
 with a_t(tau) = q_t . k_tau / sqrt(d). The FlexAttention backend gets the same two numbers from two attention
 calls, each with a value, an output and (backward) a delta kernel that the loss never needs. Here one forward
-kernel visits each (query block, key block) tile once and keeps both running sums; one backward launch computes
-dq (a program per query block) and dk (a program per key block) from
+kernel visits each (query block, key block) tile once and keeps both running sums; the backward kernel, launched
+twice, computes dq (a program per query block) and dk (a program per key block) from
     d lse / d a_t(tau) = g_doc[t] softmax_doc(t, tau) + g_match[t] softmax_match(t, tau).
 Tiles are skipped by the document bounds alone: a query block starts at its first query's document start, a key
 block's queries end at its last key's document end (documents are contiguous: doc_ids never decrease).
@@ -26,7 +26,6 @@ import triton.language as tl
 BLOCK_M = BLOCK_N = 64  # a tile: the longest document's loop, not the tile count, sets the kernel's time
 NUM_WARPS = 8  # with 4 the backward's dq spills on sm_80 (test_cp_kernel.py)
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -49,7 +48,7 @@ def _masks(offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k):
 
 @triton.jit
 def cp_lses_forward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, LSE_DOC, LSE_MATCH, T,
-             SCALE_LOG2: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    SCALE_LOG2: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Both log-sum-exps of a query block, in float32, over the key blocks from its document's start (base-2 sums:
     the scale is the score scale times log2 e; a constant, as a float argument would be fp64 under inductor)."""
     m_block, row = tl.program_id(0), tl.program_id(1) * T
@@ -91,9 +90,9 @@ def _score_grads(q, k, offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k
 
 
 @triton.jit
-def cp_lses_backward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, DOC_END, LSE_DOC, LSE_MATCH, GRAD_DOC, GRAD_MATCH,
-              DQ, DK, T, SCALE: tl.constexpr, SCALE_LOG2: tl.constexpr,
-              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOR_KEYS: tl.constexpr):
+def cp_lses_backward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, DOC_END, LSE_DOC, LSE_MATCH, GRAD_DOC,
+                     GRAD_MATCH, DQ, DK, T, SCALE: tl.constexpr, SCALE_LOG2: tl.constexpr,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOR_KEYS: tl.constexpr):
     """dq, a program per query block; or (FOR_KEYS, a launch of its own: fewer registers than both in one) dk, a
     program per key block."""
     pid, row = tl.program_id(0), tl.program_id(1) * T
@@ -160,7 +159,8 @@ def _document_bounds(doc_ids):
 
 @torch.library.triton_op("cplm::cp_lses", mutates_args=())
 def _cp_lses(q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor,
-             own_only: torch.Tensor, doc_start: torch.Tensor, doc_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             own_only: torch.Tensor, doc_start: torch.Tensor,
+             doc_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, D = q.shape
     lse_doc = torch.empty(B, T, device=q.device, dtype=torch.float32)
     lse_match = torch.empty_like(lse_doc)
@@ -180,8 +180,8 @@ def _cp_lses_backward(q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, targe
     for for_keys, blocks in ((False, triton.cdiv(T, BLOCK_M)), (True, triton.cdiv(T, BLOCK_N))):
         torch.library.wrap_triton(cp_lses_backward)[(blocks, B)](
             q, k, ids, targets, docs, own_only, doc_start, doc_end, lse_doc, lse_match, grad_doc, grad_match, dq, dk,
-            T, SCALE=D ** -0.5, SCALE_LOG2=D ** -0.5 * LOG2E, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FOR_KEYS=for_keys,
-            num_warps=NUM_WARPS)
+            T, SCALE=D ** -0.5, SCALE_LOG2=D ** -0.5 * LOG2E, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            FOR_KEYS=for_keys, num_warps=NUM_WARPS)
     return dq, dk
 
 
