@@ -202,7 +202,8 @@ _cp_lses.register_autograd(_backward_of_cp_lses, setup_context=_setup_context)
 
 def cp_lses(q, k, input_ids, target_ids, doc_ids, copyable):
     """(lse_doc, lse_match), float32 (B, T), as train_gpt_cplm.copy_lses returns them; q, k (B, T, d) with d a
-    power of two from 16 to 256 (a Triton dot's), on a CUDA device (or any, under TRITON_INTERPRET=1)."""
+    power of two from 16 to 256 (a Triton dot's), on a CUDA device (a CPU under TRITON_INTERPRET=1: float32 and
+    float16 there, whose bf16 dot is broken), bf16 as training has them (float32 ones take TF32 dots on a GPU)."""
     d = q.size(-1)
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"--cp_backend lse_kernel needs --cp_dim a power of two from 16 to 256, not {d}")

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def skip_reason():
     return None
 
 
-pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+NEEDS_TRITON = skip_reason()  # the interpreted and compiled cases skip with it; the GPU check's plumbing runs anyway
 HERE = os.path.dirname(os.path.abspath(__file__))
 BOS, VP = 60, 64  # a small alphabet: many targets occur earlier in their document
 
@@ -87,6 +88,12 @@ def run_cases():
         results[f"float32 {block_m}x{block_n}"] = differences(lses_and_grads("lse_kernel", q, k, *data, weights),
                                                               lses_and_grads("dense", q, k, *data, weights))
     cp_kernel.BLOCK_M, cp_kernel.BLOCK_N = BLOCKS[0]
+    data = rows(seed=2)  # reduced precision as on a GPU (float16: the interpreter's bf16 dot is broken): float32 sums,
+    g = torch.Generator().manual_seed(3)  # the score gradients rounded to q's dtype for the backward's dots
+    q, k = ((torch.randn(2, 160, 64, generator=g) * 2).half() for _ in range(2))
+    weights = torch.rand(2, 2, 160, generator=g)
+    results["float16"] = differences(lses_and_grads("lse_kernel", q, k, *data, weights),
+                                     lses_and_grads("dense", q.float(), k.float(), *data, weights))
     ids, targets, doc_ids, copyable = rows(seed=4)  # the script's mixture loss, its every input's gradient
     g = torch.Generator().manual_seed(5)
     inputs = [torch.randn(2, 160, VP, generator=g) * 3, torch.randn(2, 160, 32, generator=g),
@@ -122,6 +129,8 @@ def run_cases():
 def interpreted():
     """run_cases() in a process of its own, with TRITON_INTERPRET=1 set before Triton is imported (a kernel
     interpreted after Triton's own functions were compiled as GPU code fails, and other test files import it)."""
+    if NEEDS_TRITON:
+        pytest.skip(NEEDS_TRITON)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=HERE, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -133,6 +142,15 @@ def interpreted():
 def test_both_lses_and_their_gradients_match_the_dense_sums(interpreted, blocks):
     for name, d in interpreted[f"float32 {blocks[0]}x{blocks[1]}"].items():
         assert d["finite"] and d["max_abs"] <= 1e-5 * max(1, d["max_ref"]), (blocks, name, d)
+
+
+def test_float16_queries_and_keys_within_a_float16_rounding(interpreted):
+    """The reduced-precision path training runs in bf16 on a GPU, here in float16 (the interpreter's float16 dot
+    works, its bf16 one does not): the sums float32 from exact products, dq and dk in q's dtype from score gradients
+    rounded to it (FlashAttention's and FlexAttention's backward round them too), about 0.05% a term."""
+    for name, d in interpreted["float16"].items():
+        assert d["finite"] and d["dtype"] == ("float32" if name.startswith("lse") else "float16"), (name, d)
+        assert d["relative"] < (1e-6 if name.startswith("lse") else 2e-3), (name, d)
 
 
 def test_the_mixture_loss_through_the_kernel_matches_the_dense_one(interpreted):
@@ -162,6 +180,44 @@ def test_the_gpu_checks_timing_line_says_which_is_faster():
     assert "median of 3 alternating rounds" in line and "range 0.571-0.625" in line, line
 
 
+def test_the_gpu_checks_kernel_part_says_its_lines_and_its_failure_in_one_line(monkeypatch, capsys):
+    """cuda_cp_check.kernel_part's plumbing (its GPU work replaced): the check's line, then the timing's, taken in a
+    turn of its own; a fault (as an illegal address would raise) is one line, and the process goes on."""
+    sys.path.insert(0, os.path.join(HERE, "gpu_check"))
+    import cuda_cp_check
+    turns = []
+    monkeypatch.setattr(cuda_cp_check, "lse_kernel_line", lambda *a: "lse kernel (bfloat16 q, k; T=4096) ... ok")
+    monkeypatch.setattr(cuda_cp_check, "prepare_cp_sums_timing", lambda dev: {"flex": lambda: None,
+                                                                              "lse_kernel": lambda: None})
+    monkeypatch.setattr(cuda_cp_check, "time_cp_sums", lambda steps: {"flex": [0.7] * 3, "lse_kernel": [0.4] * 3})
+    monkeypatch.setattr(cuda_cp_check, "take_turn", lambda: turns.append(1))
+    cuda = types.SimpleNamespace(type="cuda")
+    cuda_cp_check.kernel_part(cuda, None, None, None, None, exit_code=1)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "lse kernel (bfloat16 q, k; T=4096) ... ok" and turns == [1], out
+    assert out[1].startswith("CP sums forward + backward on a 48Ki-token row") and len(out) == 2, out
+
+    def fault(dev):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(cuda_cp_check, "prepare_cp_sums_timing", fault)
+    cuda_cp_check.kernel_part(cuda, None, None, None, None, exit_code=1)
+    assert "lse kernel: FAILED (RuntimeError: CUDA error: an illegal memory access was encountered)" in \
+        capsys.readouterr().out.splitlines()
+
+
+def test_a_kernel_part_past_its_time_ends_the_process_with_the_flex_checks_exit_code():
+    """A kernel part that hangs (here: a compile that never ends) is stopped after KERNEL_PART_S by its own timer,
+    whatever it is doing, with the flex check's exit code (1 here), so the report keeps the flex check's result."""
+    code = ("import sys, time, types; sys.path[:0] = ['.', 'gpu_check']; import cuda_cp_check as c; "
+            "c.KERNEL_PART_S = 0.5; c.lse_kernel_line = lambda *a: 'line'; "
+            "c.prepare_cp_sums_timing = lambda dev: time.sleep(120); "
+            "c.kernel_part(types.SimpleNamespace(type='cuda'), None, None, None, None, exit_code=1); "
+            "print('not reached')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["line", "lse kernel: stopped after 0.5 s"], proc.stdout
+
+
 GPU_SIDE = """
 import json, sys
 import torch
@@ -182,8 +238,10 @@ for capability in (80, 90):
                                        ("backward dk", cp_kernel.cp_lses_backward, backward, dict(FOR_KEYS=True))):
         constants = dict(D=64, BLOCK_M=cp_kernel.BLOCK_M, BLOCK_N=cp_kernel.BLOCK_N, SCALE_LOG2=cp_kernel.LOG2E / 8,
                          **extra, **({"SCALE": 1 / 8} if "FOR_KEYS" in extra else {}))
+        # as every launch specializes them: aligned pointers, T a multiple of 16 (the speedrun's rows)
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in signature}
         signature = dict(signature, **{c: "constexpr" for c in constants})
-        binary = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", capability, 32),
+        binary = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
                                 options=dict(num_warps=cp_kernel.NUM_WARPS))
         print(json.dumps(dict(preflight.ptxas_report(binary), kernel=name, capability=capability)))
 g = torch.Generator().manual_seed(0)
@@ -200,9 +258,14 @@ def cp_sums(q, k, ids, targets):
     return (lse_doc - lse_match).sum()
 
 
+import logging
+unread = []  # inductor's reading of which arguments each kernel writes, where it fails (it then copies them all)
+handler = logging.Handler()
+handler.emit = lambda record: unread.append(record.getMessage()) if "mutated" in record.getMessage() else None
+logging.getLogger("torch._dynamo").addHandler(handler)
 with preflight._as_gpu():
     graphs = preflight.lower(cp_sums, q, k, ids, targets, sm90=True)
-print(json.dumps({"lowered": [[r.kind, r.codegen, r.error] for r in graphs]}))
+print(json.dumps({"lowered": [[r.kind, r.codegen, r.error] for r in graphs], "unread": unread}))
 """
 
 
@@ -211,12 +274,14 @@ def gpu_side():
     """The kernels compiled to sm_80 and sm_90 machine code (ptxas's reports), and the CP sums with this backend
     compiled as torch.compile compiles them on a GPU, in a process of its own (here the kernels are interpreted):
     [report per kernel and card], [(graph, code generation reached, error)]."""
+    if NEEDS_TRITON:
+        pytest.skip(NEEDS_TRITON)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", GPU_SIDE], cwd=HERE, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return lines[:-1], lines[-1]["lowered"]
+    return lines[:-1], lines[-1]
 
 
 @pytest.mark.parametrize("capability", [80, 90])
@@ -234,25 +299,40 @@ def test_the_kernels_compile_for_the_card_without_spilling(gpu_side, capability)
 
 def test_the_kernels_trace_and_lower_through_inductor_as_on_a_gpu(gpu_side):
     """The CP sums with --cp_backend lse_kernel under torch.compile as on a GPU (the kernels as opaque triton ops,
-    their autograd): the forward and backward graphs lowered by inductor up to code generation."""
-    assert gpu_side[1] == [["forward", True, None], ["backward", True, None]], gpu_side[1]
+    their autograd): the forward and backward graphs lowered by inductor up to code generation, which read what each
+    kernel writes (only the LSEs, dq and dk: no copies of the other inputs at each launch)."""
+    assert gpu_side[1]["lowered"] == [["forward", True, None], ["backward", True, None]], gpu_side[1]
+    assert gpu_side[1]["unread"] == [], gpu_side[1]["unread"]
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(NEEDS_TRITON is not None, reason=str(NEEDS_TRITON))
 @pytest.mark.skipif(not torch.backends.cuda.is_built(),
                     reason="compiling every kernel needs fake CUDA tensors: a CUDA build of torch (the default wheel)")
 def test_a_training_step_with_the_kernel_compiles_for_sm_90():
     """A CPLM training step with --cp_backend lse_kernel (2 layers, 1024-token rows) through inductor's CUDA path,
     every kernel compiled for an H100/H200 (sm_90), the CP kernels among them: inductor passes their float
-    arguments as fp64 (a scale argument made the running sums fp64, which Triton refused), so they take constants.
-    About a minute (Slow: -m slow)."""
+    arguments as fp64 (a scale argument made the running sums fp64, which Triton refused), so they take constants;
+    and its reading of which arguments a kernel writes (only the LSEs, dq, dk) finds a driver. About a minute
+    (slow: -m slow)."""
+    import logging
     sys.path.insert(0, os.path.join(HERE, "gpu_check"))
     import preflight
-    with preflight.card("sm_90") as gpu:
-        model = preflight.cuda_path_model(1, 1024, num_layers=2)
-        model.cp_backend = "lse_kernel"
-        kernels, seconds, _ = preflight.compile_every_kernel(model, *preflight.packed_row(1024, 0),
-                                                             torch.tensor(14, dtype=torch.int32))
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("torch._dynamo")  # where inductor says it could not read them
+    logger.addHandler(handler)
+    try:  # the driver answering as the card while dynamo traces too: inductor reads which arguments a kernel writes
+        with preflight.card("sm_90") as gpu, preflight._as_gpu():
+            model = preflight.cuda_path_model(1, 1024, num_layers=2)
+            model.cp_backend = "lse_kernel"
+            kernels, seconds, _ = preflight.compile_every_kernel(model, *preflight.packed_row(1024, 0),
+                                                                 torch.tensor(14, dtype=torch.int32))
+    finally:
+        logger.removeHandler(handler)
+    # without that reading inductor copies every input of the kernels at each launch, as if each were written
+    assert not [w for w in warnings if "mutated" in w], warnings
     names = {(k.graph, k.name) for k in kernels}
     assert {("forward", "cp_lses_forward"), ("backward", "cp_lses_backward")} <= names, sorted(names)
     too_big = [(k.graph, k.name, k.shared) for k in kernels if k.shared > gpu.shared_memory_per_block_optin]

@@ -672,8 +672,9 @@ def write_summary(report, args, work, jobs, not_started):
     window, interleaved = {}, {}  # training job -> (ms a step, its window in words); ab job -> its ratio lines
     for j in jobs:
         if j.name in SMALL:
-            lines = [x for x in j.text().splitlines() if x.strip() and not x.startswith(("REPORT", "USDT"))]
-            shown = ("; " + " | ".join(lines[-11:])) if lines and j.name == "refcheck" else ""
+            lines = [x for x in j.text().splitlines()
+                     if x.strip() and not x.startswith(("REPORT", "USDT", "gpu turn taken"))]
+            shown = ("; " + " | ".join(lines[-12:])) if lines and j.name == "refcheck" else ""
             report(f"{j.name}: {j.status()}{shown}")
         elif j.name.startswith("ab"):
             line, interleaved[j.name] = ab_result(j, jobs)

@@ -81,5 +81,6 @@ def part_of_kernel(name, parts):
     if name in parts:
         return parts[name]
     if name.startswith("cp_lses_"):  # cp_kernel.py's, written by hand (--cp_backend lse_kernel): the CP sums
-        return "CP head and mixture"
+        from roofline import CATEGORIES
+        return CATEGORIES[1]
     return UNKNOWN if name.startswith(("triton_", "cpp_")) else LIBRARY
