@@ -2,10 +2,11 @@
 log-sum-exps and their gradients, at block sizes small enough that rows cross many tiles, through the whole
 mixture loss, and compiled to sm_80 and sm_90 machine code by Triton's own ptxas (registers, spills).
 
-In float32 only: the interpreter's tl.dot of bf16 operands returns garbage (a bf16 dot of two 16 x 16 tiles was
-off by 1e10 in Triton 3.6 and 3.8, where float32 was exact), so the bf16 path training runs (the score gradients
-rounded to bf16 for the backward's dots, dq and dk stored in bf16) is checked on a GPU, against the dense sums, by
-gpu_check/cuda_cp_check.py.
+In float32 and float16: the interpreter's tl.dot of bf16 operands returns garbage (a bf16 dot of two 16 x 16 tiles
+was off by 1e10 in Triton 3.6 and 3.8, where float32 and float16 were exact), so the reduced-precision path (score
+gradients rounded to q's dtype for the backward's dots, dq and dk stored in it) runs here in float16, and in bf16,
+as training runs it, on a GPU against the dense sums (gpu_check/cuda_cp_check.py). That check's plumbing is tested
+here with its GPU work replaced.
 
 Needs Triton (the default CUDA wheel of torch brings it; with the CPU build, `pip install triton`); Triton 3.6
 and older run their interpreter only with numpy < 2.3.
