@@ -144,6 +144,26 @@ def test_the_three_changes_are_costed_against_the_kernels_they_replace(kernels, 
     assert all(f"| {name} |" in report for name in roofline.CHANGES)
 
 
+def test_the_kernel_as_written_visits_the_cp_heads_tiles_and_saves_its_time(kernels, tiles):
+    """cp_kernel.py as the roofline costs it: at 128 x 128 its loops visit exactly the CP document mask's tiles
+    (representative_tiles, FlexAttention's count), from either side; at its 64 x 64, three to four times as many
+    tiles of a quarter of the work, and a longest loop about twice as long (so half the work: 64-row query
+    blocks); its three kernels replace the two ops' six and save time on both cards."""
+    whole = tiles["CP document mask"]
+    at128, at64 = roofline.kernel_tiles(T, 128), roofline.kernel_tiles(T, 64)
+    for side in ("queries", "keys"):
+        assert (at128[side][0], at128[side][2]) == (whole[0], whole[2]), (side, at128, whole)
+        assert 3 * at128[side][0] <= at64[side][0] <= 4 * at128[side][0], (side, at128, at64)
+        assert 2 * at128[side][2] - 2 <= at64[side][2] <= 2 * at128[side][2], (side, at128, at64)
+    modes = {name: dict(kernels=found, flex=flex, optimizer=(0, 0, 0), vocab=VOCAB)
+             for name, (found, flex) in zip(("vanilla", "CPLM"), (kernels[0], kernels[1]))}
+    for card in roofline.CARDS.values():
+        now, after, (saved, with_launches) = roofline.as_written(modes, card)
+        assert (now, after) == (6, 3) and saved > 0 and with_launches > 0, (card.name, saved, with_launches)
+    assert "| the first as cp_kernel.py writes it" in roofline.markdown(modes, tiles, T, 0.0,
+                                                                        list(roofline.CARDS.values()))
+
+
 def test_the_representative_row_visits_whole_documents_for_the_cp_head():
     """The tiles behind the FlexAttention estimates: the CP head's masks cover whole documents (no window), so they
     visit more tiles a head than attention's long window, which visits more than the short one; the match mask's
