@@ -219,6 +219,17 @@ def test_a_kernel_part_past_its_time_ends_the_process_with_the_flex_checks_exit_
     assert proc.stdout.splitlines() == ["line", "lse kernel: stopped after 0.5 s"], proc.stdout
 
 
+def test_the_profile_puts_the_kernels_under_the_cp_head():
+    """The A/B's profile by model part (gpu_check/kernel_parts.py): hand-written kernels are never named at
+    inductor's define_kernel, so their part comes from their names (with or without a suffix inductor adds)."""
+    sys.path.insert(0, os.path.join(HERE, "gpu_check"))
+    import kernel_parts
+    import roofline
+    for name in ("cp_lses_forward", "cp_lses_backward", "cp_lses_backward_0"):
+        assert kernel_parts.part_of_kernel(name, {}) == roofline.CATEGORIES[1] == "CP head and mixture"
+    assert kernel_parts.part_of_kernel("triton_per_fused_0", {}) == kernel_parts.UNKNOWN
+
+
 GPU_SIDE = """
 import json, sys
 import torch
