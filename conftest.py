@@ -1,5 +1,7 @@
 """Helpers and fixtures the test files share: the repository's paths, a loader for its scripts, an independent
-shard writer, a tiny corpus, the training script's flags for a tiny run, the bad-input rule."""
+shard writer, a tiny corpus, the training script's flags for a tiny run, a command's main run in this process as a
+command would run (no interpreter to start: seconds saved a call), the bad-input rule."""
+import contextlib
 import importlib.util
 import os
 import re
@@ -80,6 +82,72 @@ def run_cli(args, nproc=None, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread in this process, as run_cli's OMP_NUM_THREADS=1 gives a subprocess (train_gpt_cplm.main
+    then keeps it); the caller's thread count and environment come back after."""
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if omp is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+
+
+def as_a_command(main, args, refusals=None):
+    """main(args) in this process as a command would run it, for checks of what it says and writes, not of how a
+    process ends: its stdout, stderr and warnings (Python's default filters, as a fresh interpreter shows them)
+    captured, SystemExit taken as the exit code, and refusals(exception) -> (exit code, stderr line) or None for
+    the exceptions the command's __main__ block turns into one line. Any other exception propagates (where the
+    command would print a traceback). Returns what subprocess.run gives: returncode, stdout, stderr."""
+    import io
+    import types
+    import warnings
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()  # a fresh interpreter's filters: DeprecationWarning and its kin hidden
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        try:
+            code = main([str(x) for x in args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) or e.code is None else 1
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)
+        except Exception as e:
+            said = refusals(e) if refusals else None
+            if said is None:
+                raise
+            code, line = said
+            print(line, file=sys.stderr)
+    shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=shown + err.getvalue())
+
+
+def main_in_process(args):
+    """run_cli(args) without a new interpreter, for checks about the run's files, logs and messages, not about the
+    process: train_gpt_cplm.main(args) in this process on one thread (as run_cli's OMP_NUM_THREADS=1), as_a_command,
+    its refusals turned into the exit code and the one stderr line the script's __main__ block gives them
+    (UsageError: 2 and '(see --help)', DataError: 1). That block itself runs in real processes in test_cli.py
+    (test_bad_flags_exit_2_with_one_line: 2; test_missing_data_names_the_download_command,
+    test_a_pipe_among_the_inputs_is_refused_not_waited_on: 1)."""
+    import train_gpt_cplm as tg
+
+    def refusals(e):
+        if isinstance(e, (tg.UsageError, tg.DataError)):
+            code = 2 if isinstance(e, tg.UsageError) else 1
+            return code, f"train_gpt_cplm.py: error: {e}{' (see --help)' * (code == 2)}"
+        return None
+    with one_thread():
+        return as_a_command(tg.main, args, refusals)
+
+
 def log_values(path, kind):
     return log_values_in(open(path).read().split("=" * 100 + "\n", 1)[1], kind)
 
@@ -129,3 +197,4 @@ def random_documents(B, T, bos, seed, vocab=8):
     starts = torch.randint(1, T, (B, 4), generator=g)  # a few more documents per row
     ids.scatter_(1, starts, bos)
     return ids
+

@@ -17,7 +17,7 @@ import torch
 
 import train_gpt_cplm as tg
 from conftest import (BOS, COMPARE, DOWNLOAD, ROOT, SCRIPT, TOKENIZE, _load, _run, _text_files, assert_one_line,
-                      log_values, log_values_in, run_cli, tiny_flags, toy_corpus, write_shard)
+                      log_values, log_values_in, main_in_process, run_cli, tiny_flags, toy_corpus, write_shard)
 
 compare = _load("tools/compare.py")  # the judge
 tc = _load("data/tokenize_corpus.py")
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 @pytest.mark.parametrize("gate", ["lm", "sentinel"])
 def test_cli_run_writes_a_complete_log(toy_data, tmp_path, gate):
-    r = run_cli(tiny_flags(toy_data, tmp_path, cplm=1, copy_gate=gate))
+    """The command end to end in a process of its own (the lm gate); the sentinel's log in this process."""
+    r = (run_cli if gate == "lm" else main_in_process)(tiny_flags(toy_data, tmp_path, cplm=1, copy_gate=gate))
     assert r.returncode == 0, r.stderr[-2000:]
     log = open(tmp_path / "run.txt").read()
     assert log.startswith(open(SCRIPT).read())  # the code that ran
@@ -111,14 +112,15 @@ def test_help_describes_every_flag():
 
 def test_log_dir_and_run_id_problems_are_one_line(toy_data, tmp_path):
     (tmp_path / "file").write_text("x")
-    r = run_cli(tiny_flags(toy_data, tmp_path / "file" / "logs"))  # a directory under a regular file
+    r = main_in_process(tiny_flags(toy_data, tmp_path / "file" / "logs"))  # a directory under a regular file
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot write there" in r.stderr
-    first = run_cli(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0))
+    first = main_in_process(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0))
     assert first.returncode == 0
-    again = run_cli(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0))
+    again = main_in_process(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0))
     assert again.returncode == 2 and again.stderr.count("\n") == 1 and "run.txt exists" in again.stderr
     assert len(re.findall("^final val_loss", (tmp_path / "run.txt").read_text(), re.M)) == 1  # the log is intact
-    assert run_cli(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0, overwrite=1)).returncode == 0
+    again = main_in_process(tiny_flags(toy_data, tmp_path, num_iterations=1, val_loss_every=0, overwrite=1))
+    assert again.returncode == 0
 
 
 def test_a_vocabulary_stated_by_a_header_has_the_flags_limit(tmp_path):
@@ -138,13 +140,13 @@ def test_shard_problems_stop_before_the_model_in_one_line(tmp_path):
     write_shard(data / "toy_train_000000.bin", toy_corpus(60_000, 0))
     write_shard(data / "toy_train_000001.bin", toy_corpus(100, 1) + [BOS, 600, 3])  # an id past VOCAB = 500
     write_shard(data / "toy_val_000000.bin", toy_corpus(20_000, 2))
-    r = run_cli(tiny_flags(data, tmp_path))
+    r = main_in_process(tiny_flags(data, tmp_path))
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert "toy_train_000001.bin: holds token id 600, but --vocab_size is 500" in r.stderr
     assert not (tmp_path / "run.txt").exists()  # refused before the model: no log left to block the rerun
     # a hostile tester's: a train glob that takes the validation shard too trained on it silently
     (data / "toy_train_000001.bin").unlink()
-    r = run_cli(tiny_flags(data, tmp_path, train_files=f"{data}/toy_*.bin"))
+    r = main_in_process(tiny_flags(data, tmp_path, train_files=f"{data}/toy_*.bin"))
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert "would train on its validation set" in r.stderr and "toy_val_000000.bin" in r.stderr
     assert not (tmp_path / "run.txt").exists()
@@ -153,11 +155,11 @@ def test_shard_problems_stop_before_the_model_in_one_line(tmp_path):
         write_shard(data / f"bytes_{name}_000000.bin", tokens, vocab=257)
     flags = dict(train_files=f"{data}/bytes_train_*.bin", val_files=f"{data}/bytes_val_*.bin", num_iterations=1,
                  val_loss_every=0, vocab_size=0, bos_id=-1)
-    r = run_cli(tiny_flags(data, tmp_path, run_id="bytes", **flags))
+    r = main_in_process(tiny_flags(data, tmp_path, run_id="bytes", **flags))
     assert r.returncode == 0, r.stderr
     hp = json.loads(re.search(r"^hyperparameters: (.*)$", (tmp_path / "bytes.txt").read_text(), re.M).group(1))
     assert (hp["vocab_size"], hp["bos_id"]) == (257, 256)
-    r = run_cli(tiny_flags(data, tmp_path, run_id="bytes2", **{**flags, "vocab_size": 50257}))
+    r = main_in_process(tiny_flags(data, tmp_path, run_id="bytes2", **{**flags, "vocab_size": 50257}))
     assert r.returncode == 1 and "written for a vocabulary of 257 ids, --vocab_size is 50257" in r.stderr
 
 
@@ -165,7 +167,7 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     """kill -9 then --resume: the same losses, the clock where it stopped, the log continued; checkpoints
     rotate, and a half-written one left by a kill is removed; new learning rates apply; a checkpoint past
     the end, unreadable, or of another model is refused."""
-    full = run_cli(tiny_flags(toy_data, tmp_path, run_id="full", checkpoint_every=1, keep_checkpoints=2))
+    full = main_in_process(tiny_flags(toy_data, tmp_path, run_id="full", checkpoint_every=1, keep_checkpoints=2))
     assert full.returncode == 0, full.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["state_step000005.pt", "state_step000006.pt"]
     assert not list(tmp_path.glob(".*.lock")), "a finished run leaves no lock file"
@@ -178,13 +180,13 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     half.write_bytes(b"half a checkpoint")  # and quiet for an hour
     os.utime(half, (time.time() - 3600, time.time() - 3600))
     # step 6's checkpoint is there: resuming from step 5 would replace it, so that needs --overwrite 1
-    refused = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt))
+    refused = main_in_process(tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt))
     assert refused.returncode == 2 and "holds checkpoints after this one (state_step000006.pt)" in refused.stderr
     abandoned = tmp_path / "full" / "state_step000009.pt"  # a later step of the branch --overwrite abandons
     abandoned.write_bytes(b"a later checkpoint")
     flags = tiny_flags(toy_data, tmp_path, run_id="", resume=ckpt, overwrite=1)
     del flags[flags.index("--log_dir"):flags.index("--log_dir") + 2]  # its own log is found beside the checkpoints
-    resumed = run_cli(flags)  # continues run "full"
+    resumed = main_in_process(flags)  # continues run "full"
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     log = (tmp_path / "full.txt").read_text()
     assert log.count("\ndef main(") == 1 and "resumed from" in log  # one log, a section appended
@@ -201,18 +203,18 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     parsed = compare.parse_log(tmp_path / "full.txt")  # both sections, the resumed one winning where they overlap
     assert [v["step"] for v in parsed["val"]] == [0, 3, 6] and [t["step"] for t in parsed["train"]] == list(range(1, 7))
     # new learning rates on the command line apply, and the log says so
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="new_rate", resume=ckpt, lr_head=0.004, val_loss_every=0))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="new_rate", resume=ckpt, lr_head=0.004, val_loss_every=0))
     assert r.returncode == 0, r.stderr[-2000:]
     log = (tmp_path / "new_rate.txt").read_text()
     assert re.search(r"changed on the command line: .*--lr_head 0\.008 -> 0\.004", log)
     # past the end: nothing to do, nothing written
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="late", num_iterations=4, resume=ckpt))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="late", num_iterations=4, resume=ckpt))
     assert r.returncode == 0 and "nothing to train: the checkpoint is at step 5" in r.stdout
     assert not (tmp_path / "late").exists() and not (tmp_path / "late.txt").exists()
     # into another run's name with --overwrite (a hostile tester's: "new_rate.txt appeared while this run was
     # starting" and a stray temporary log): said, nothing written, the other run's log untouched
     before = (tmp_path / "new_rate.txt").read_bytes()
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="new_rate", num_iterations=4, resume=ckpt, overwrite=1))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="new_rate", num_iterations=4, resume=ckpt, overwrite=1))
     assert r.returncode == 0 and "nothing to train" in r.stdout, r.stderr[-2000:]
     assert (tmp_path / "new_rate.txt").read_bytes() == before and not list(tmp_path.glob(".new_rate.txt.starting*"))
     # a fresh run replacing "full" (--overwrite 1) replaces its checkpoints too: no old one is left to resume
@@ -220,21 +222,21 @@ def test_resume_continues_the_run_exactly_and_refuses_what_does_not_fit(toy_data
     shutil.copy(ckpt, tmp_path / "kept.pt")
     ckpt = tmp_path / "kept.pt"
     # --keep_checkpoints counts the run's checkpoints, not one process's: continuing it to step 8 rotates 5 and 6 out
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="", resume=tmp_path / "full" / "state_step000006.pt",
-                           num_iterations=8, val_loss_every=0))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="", resume=tmp_path / "full" / "state_step000006.pt",
+                                   num_iterations=8, val_loss_every=0))
     assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "full").glob("*.pt")) == [
         "state_step000007.pt", "state_step000008.pt"], r.stderr[-2000:]
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="full", overwrite=1, num_iterations=3, checkpoint_every=1,
-                           keep_checkpoints=2, val_loss_every=0))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="full", overwrite=1, num_iterations=3, checkpoint_every=1,
+                                   keep_checkpoints=2, val_loss_every=0))
     assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "full").glob("*.pt")) == [
         "state_step000002.pt", "state_step000003.pt"]
     # unreadable and mismatched checkpoints: one line, exit 1, and no log left behind
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     (tmp_path / "cut.pt").write_bytes(ckpt.read_bytes()[:5000])
     for bad, message in ((tmp_path / "junk.pt", "not a readable checkpoint"), (tmp_path / "cut.pt", "not a readable checkpoint")):
-        r = run_cli(tiny_flags(toy_data, tmp_path, run_id="bad", resume=bad))
+        r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="bad", resume=bad))
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="bad", resume=ckpt, model_dim=32, cplm=1))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="bad", resume=ckpt, model_dim=32, cplm=1))
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert "model_dim 64 -> 32" in r.stderr and "cplm 0 -> 1" in r.stderr
     assert not (tmp_path / "bad.txt").exists()
@@ -248,26 +250,26 @@ def test_nothing_is_replaced_unless_asked_and_started(toy_data, tmp_path):
     def log_of(run):
         return (tmp_path / f"{run}.txt").read_bytes()
 
-    assert run_cli(tiny_flags(toy_data, tmp_path, run_id="a", checkpoint_every=2)).returncode == 0
-    assert run_cli(tiny_flags(toy_data, tmp_path, run_id="b", checkpoint_every=2)).returncode == 0
+    assert main_in_process(tiny_flags(toy_data, tmp_path, run_id="a", checkpoint_every=2)).returncode == 0
+    assert main_in_process(tiny_flags(toy_data, tmp_path, run_id="b", checkpoint_every=2)).returncode == 0
     a_ckpt, b_ckpt = tmp_path / "a" / "state_step000004.pt", tmp_path / "b" / "state_step000004.pt"
     before = {p: p.read_bytes() for p in (tmp_path / "a.txt", tmp_path / "b.txt", b_ckpt)}
     # 1. resuming a's checkpoint under b's id: refused, b untouched
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="b", resume=a_ckpt))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="b", resume=a_ckpt))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "b.txt exists" in r.stderr
     assert all(p.read_bytes() == b for p, b in before.items())
     # 2. --overwrite 1 with a bad shard: refused before it started, the old log and checkpoints intact
     bad = tmp_path / "bad"
     bad.mkdir()
     write_shard(bad / "toy_train_000000.bin", toy_corpus(5000, 0), magic=1)
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="b", overwrite=1, train_files=f"{bad}/toy_train_*.bin"))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="b", overwrite=1, train_files=f"{bad}/toy_train_*.bin"))
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert all(p.read_bytes() == b for p, b in before.items()) and not list(tmp_path.glob(".b.txt*"))
     # 3. a resume continues with the checkpoint's settings: a forgotten --num_iterations is the run's 6, not the
     # preset's 200; a changed setting is applied and listed
     args = tiny_flags(toy_data, tmp_path, run_id="", resume=a_ckpt)
     i = args.index("--num_iterations")
-    r = run_cli(args[:i] + args[i + 2:] + ["--logit_softcap", "20", "--overwrite", "1"])  # step 6's is replaced
+    r = main_in_process(args[:i] + args[i + 2:] + ["--logit_softcap", "20", "--overwrite", "1"])  # step 6's is replaced
     assert r.returncode == 0, r.stderr[-2000:]
     log = log_of("a").decode()
     assert "continuing at step 4" in log and "changed on the command line: --logit_softcap 15.0 -> 20.0" in log
@@ -278,13 +280,13 @@ def test_nothing_is_replaced_unless_asked_and_started(toy_data, tmp_path):
     state = torch.load(b_ckpt, weights_only=True)
     state["model"]["embed.weight"][3, :8] = 9.5e14
     torch.save(state, tmp_path / "corrupt.pt")
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="c", resume=tmp_path / "corrupt.pt"))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="c", resume=tmp_path / "corrupt.pt"))
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "do not match the digest" in r.stderr
     # a checkpoint from before the digest (no "digest" key) still resumes
     del state["digest"]
     state["model"]["embed.weight"][3, :8] = 0.0
     torch.save(state, tmp_path / "old.pt")
-    assert run_cli(tiny_flags(toy_data, tmp_path, run_id="d", resume=tmp_path / "old.pt")).returncode == 0
+    assert main_in_process(tiny_flags(toy_data, tmp_path, run_id="d", resume=tmp_path / "old.pt")).returncode == 0
 
 
 def test_a_pipe_among_the_inputs_is_refused_not_waited_on(toy_data, tmp_path):
@@ -354,7 +356,7 @@ def test_a_refused_start_under_torchrun_ends_at_once(toy_data, tmp_path):
     """A hostile tester's: only rank 0 checked the log's name, so rank 1 waited in the rendezvous until torchrun
     killed it (~33 s). Every rank now makes the read-only checks and refuses at once."""
     import time
-    assert run_cli(tiny_flags(toy_data, tmp_path, num_iterations=0)).returncode == 0
+    assert main_in_process(tiny_flags(toy_data, tmp_path, num_iterations=0)).returncode == 0
     t0 = time.monotonic()
     r = run_cli(tiny_flags(toy_data, tmp_path, num_iterations=0), nproc=2)
     assert r.returncode != 0 and r.stderr.count("run.txt exists") == 1, r.stderr[-2000:]
@@ -423,7 +425,7 @@ def test_two_processes_equal_one_with_accumulation_and_warmup_changes_nothing(to
     on the same data: the same losses. So the split over ranks changes nothing, and neither does the warm-up
     (its steps and its validation row compile the kernels; model, optimizers and loader are then reset)."""
     flags = dict(num_iterations=4, val_loss_every=2, cplm=1)
-    one = run_cli(tiny_flags(toy_data, tmp_path, run_id="one", warmup_steps=2, **flags))
+    one = main_in_process(tiny_flags(toy_data, tmp_path, run_id="one", warmup_steps=2, **flags))
     two = run_cli(tiny_flags(toy_data, tmp_path, run_id="two", **flags), nproc=2)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     for kind in ("train_loss", "val_loss"):
@@ -547,8 +549,8 @@ def test_a_stuck_rank_ends_the_job(toy_data, tmp_path):
 
 def test_nan_loss_stops_with_a_message(toy_data, tmp_path):
     # the largest learning rates the checks let through, with no soft-cap on the logits: nan at step 17
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="nan", logit_softcap="0", lr_head="1e6", lr_scalar="1e6",
-                           lr_muon="1e6", num_iterations=20, val_loss_every=0))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="nan", logit_softcap="0", lr_head="1e6", lr_scalar="1e6",
+                                   lr_muon="1e6", num_iterations=20, val_loss_every=0))
     assert r.returncode == 1
     log = open(tmp_path / "nan.txt").read()
     assert re.search(r"^stopped: train_loss is nan", log, re.M)

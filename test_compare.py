@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, _load, assert_one_line
+from conftest import ROOT, _load, as_a_command, assert_one_line
 
 compare = _load("tools/compare.py")
 
@@ -344,15 +344,21 @@ def _cli(*args):
                           timeout=120)
 
 
+def _main(*args):
+    """_cli(*args) in this process (compare.main as a command), for what the judge says, not how its process ends:
+    that is _cli's, in a real process, in the first check of test_cli_errors_are_one_line (and test_cli.py's)."""
+    return as_a_command(compare.main, args)
+
+
 def test_cli_table_fits_100_columns_and_json(tmp_path):
     _runs(tmp_path, VANILLA, 3237, [4.0431, 4.0668, 4.0882, 3.9828, 4.0844])
     for m in (1000, 1200, 1300):
         _runs(tmp_path, CPLM, m, [4.3 - m / 3000 + 0.01 * s for s in range(5)])
-    r = _cli(tmp_path / "*.txt", "--target_from", "vanilla", "--runs")
+    r = _main(tmp_path / "*.txt", "--target_from", "vanilla", "--runs")
     assert r.returncode == 0, r.stderr
     assert max(map(len, r.stdout.splitlines())) <= 100
     assert "cplm_n1300_s4" in r.stdout  # full run ids
-    r = _cli(tmp_path, "--json", "--target", "4.0")
+    r = _main(tmp_path, "--json", "--target", "4.0")
     data = json.loads(r.stdout)
     assert data["test"] == "one-sample" and {s["name"] for s in data["series"]} == {"vanilla", "CPLM"}
 
@@ -363,26 +369,26 @@ def test_cli_errors_are_one_line(tmp_path):
     assert_one_line(r.stderr)
     bad = tmp_path / "bad.txt"
     bad.write_text(FSTRING_SOURCE)
-    r = _cli(bad)
+    r = _main(bad)
     assert r.returncode == 2 and "no val_loss lines" in r.stderr
     write_log(tmp_path / "good.txt", "good", hp(0), CURVE_A)
-    r = _cli(tmp_path / "*.txt")
+    r = _main(tmp_path / "*.txt")
     assert r.returncode == 0 and "warning" in r.stderr and "bad.txt" in r.stderr
     for args, words in (((tmp_path / "good.txt", "--target_from", "nomatch"), ["nomatch"]),
                         ((tmp_path / "good.txt", "--target", "nan"), ["--target"]),
                         ((tmp_path / "good.txt", "--target", "3", "--target_from", "CPLM"), ["not both"]),
                         ((tmp_path / "good.txt", "--step_times", tmp_path / "good.txt"), ["--step_times"]),
                         ((tmp_path / "good.txt", "--plot", tmp_path / "x.xyz"), ["x.xyz"])):
-        r = _cli(*args)
+        r = _main(*args)
         assert r.returncode == 2, (args, r.stdout)
         assert_one_line(r.stderr, *words)
     (tmp_path / "dir.txt").mkdir()  # a folder named like a log is not a log
-    assert _cli(tmp_path / "*.txt").returncode == 0
+    assert _main(tmp_path / "*.txt").returncode == 0
 
 
 def test_a_single_run_says_a_test_needs_two(tmp_path):
     write_log(tmp_path / "good.txt", "good", hp(0), CURVE_A)
-    r = _cli(tmp_path / "good.txt")
+    r = _main(tmp_path / "good.txt")
     assert r.returncode == 0 and "3.2000" in r.stdout
     row = next(line for line in r.stdout.splitlines() if line.startswith("CPLM n=300"))
     assert row.split()[-2:] == ["-", "untested"]

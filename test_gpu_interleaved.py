@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "gpu_check"))
 import interleaved  # noqa: E402
+from conftest import as_a_command  # noqa: E402
 
 
 def ar1(rng, n, rho, sd):
@@ -148,13 +149,20 @@ def test_cplm_loss_mode_trains_on_vanillas_loss_value_and_gradients():
         assert interleaved.torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 
 
-def test_bad_timing_flags_are_refused_in_one_line_before_any_model_is_built():
-    for flags in (["--rounds_s", "nan"], ["--end_in_s", "nan"], ["--end_in_s", "-1"], ["--profile_steps", "-2"],
-                  ["--profile_reserve_s", "inf"], ["--modes", "vanilla,cplm_loss,vanilla"]):
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "gpu_check", "interleaved.py"), *flags],
-                             capture_output=True, text=True, timeout=120)
+def test_bad_timing_flags_are_refused_in_one_line_before_any_model_is_built(monkeypatch):
+    """The first in a real process (its exit code, no traceback); the others through main in this process, where a
+    model built (interleaved.Mode) would be seen."""
+    built = []
+    monkeypatch.setattr(interleaved, "Mode", lambda *a, **k: built.append(a))
+    for i, flags in enumerate((["--rounds_s", "nan"], ["--end_in_s", "nan"], ["--end_in_s", "-1"],
+                               ["--profile_steps", "-2"], ["--profile_reserve_s", "inf"],
+                               ["--modes", "vanilla,cplm_loss,vanilla"])):
+        out = as_a_command(interleaved.main, flags) if i else subprocess.run(
+            [sys.executable, os.path.join(ROOT, "gpu_check", "interleaved.py"), *flags], capture_output=True, text=True,
+            timeout=120)
         assert out.returncode == 2, out.stderr
         assert "Traceback" not in out.stderr and "error: --" in out.stderr.strip().splitlines()[-1], (flags, out.stderr)
+    assert built == []
 
 
 def fake_kernel_node(*modules):

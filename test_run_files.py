@@ -18,7 +18,17 @@ import torch
 
 import run_files
 import train_gpt_cplm as tg
-from conftest import ROOT, SCRIPT, VOCAB, log_values, run_cli, tiny_flags, toy_corpus, write_shard
+from conftest import SCRIPT, VOCAB, log_values, main_in_process, one_thread, tiny_flags, toy_corpus, write_shard
+
+
+@pytest.fixture(autouse=True)
+def _on_one_thread():
+    """Each test's runs on one thread, as the command line's (run_cli: OMP_NUM_THREADS=1): what is tested here is a
+    run's files, which the thread count does not change; two threads on two cores shared with another process
+    made a 6-step tiny run take ~15 s instead of ~0.5 s."""
+    with one_thread():
+        yield
+
 
 def test_a_live_writers_temporary_checkpoint_stays_whatever_its_pid_says(tmp_path):
     """A hostile tester's: a run saving inside another PID namespace (its pid dead out here) lost its temporary
@@ -175,8 +185,7 @@ def test_crafted_checkpoints_are_one_line(toy_data, tmp_path, field, value, word
         state["hyperparameters"][field] = value
     state.pop("digest")  # a crafted file carries no valid digest
     torch.save(state, path)
-    r = subprocess.run([sys.executable, SCRIPT, "--resume", str(path), "--run_id", "again"], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = main_in_process(["--resume", path, "--run_id", "again"])
     assert r.returncode == 1 and words in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr[-2000:]
 
 
@@ -200,7 +209,7 @@ def test_overwrite_destroys_nothing_before_the_new_run_can_replace_it(toy_data, 
     """A hostile tester's: --overwrite 1 deleted the old run's checkpoints and replaced its log before the step-0
     validation; a run that crashed there left nothing of either run. Now the log is replaced after the first
     validation, and the old checkpoints are set aside then."""
-    assert run_cli(tiny_flags(toy_data, tmp_path, run_id="old", checkpoint_every=2)).returncode == 0
+    assert main_in_process(tiny_flags(toy_data, tmp_path, run_id="old", checkpoint_every=2)).returncode == 0
     before = {p: p.read_bytes() for p in [tmp_path / "old.txt", *(tmp_path / "old").iterdir()]}
     monkeypatch.setattr(tg, "evaluate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("planted crash")))
     with pytest.raises(RuntimeError, match="planted crash"):
@@ -213,14 +222,14 @@ def test_a_replaced_runs_checkpoints_never_continue_the_new_log(toy_data, tmp_pa
     """A hostile tester's: --overwrite kept the old run's checkpoints until the new run's first save, so a new run
     that saved none (or was killed first) left them resumable into its log: one log, two runs' weights and clocks.
     They are set aside when the new log takes the name; resumed from there they start a run of their own."""
-    assert run_cli(tiny_flags(toy_data, tmp_path, checkpoint_every=2)).returncode == 0
-    r = run_cli(tiny_flags(toy_data, tmp_path, overwrite=1, num_iterations=2, lr_muon=0.01))  # saves nothing
+    assert main_in_process(tiny_flags(toy_data, tmp_path, checkpoint_every=2)).returncode == 0
+    r = main_in_process(tiny_flags(toy_data, tmp_path, overwrite=1, num_iterations=2, lr_muon=0.01))  # saves nothing
     assert r.returncode == 0, r.stderr[-2000:]
     assert not list((tmp_path / "run").glob("*.pt")) and "checkpoint(s) moved to" in (tmp_path / "run.txt").read_text()
-    r = run_cli(tiny_flags(toy_data, tmp_path, resume=tmp_path / "run" / "state_step000006.pt"))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, resume=tmp_path / "run" / "state_step000006.pt"))
     assert r.returncode == 2 and "no such checkpoint file" in r.stderr
     aside, = (tmp_path / "run").glob("replaced_*")
-    r = run_cli(tiny_flags(toy_data, tmp_path, run_id="branch", resume=aside / "state_step000004.pt"))
+    r = main_in_process(tiny_flags(toy_data, tmp_path, run_id="branch", resume=aside / "state_step000004.pt"))
     assert r.returncode == 0, r.stderr[-2000:]
     body = (tmp_path / "run.txt").read_text().split("=" * 100 + "\n", 1)[1]
     assert "resumed from" not in body and (tmp_path / "branch.txt").exists()  # the new log untouched
