@@ -47,18 +47,41 @@ def _masks(offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k):
 
 
 @triton.jit
+def _key_rows(K, DOCS, IDS, row, offs_n, T, D: tl.constexpr):
+    """A key block: k, its documents and tokens (keys past T: zeros, document -2, token -2)."""
+    in_n = offs_n < T
+    k = tl.load(K + (row + offs_n)[:, None] * D + tl.arange(0, D)[None, :], mask=in_n[:, None], other=0.0)
+    return k, tl.load(DOCS + row + offs_n, mask=in_n, other=-2), tl.load(IDS + row + offs_n, mask=in_n, other=-2)
+
+
+@triton.jit
+def _query_rows(Q, TARGETS, DOCS, OWN_ONLY, row, offs_m, T, D: tl.constexpr):
+    """A query block: q, its targets, documents (-1 past T) and whether its only match is its own position."""
+    in_m = offs_m < T
+    q = tl.load(Q + (row + offs_m)[:, None] * D + tl.arange(0, D)[None, :], mask=in_m[:, None], other=0.0)
+    return (q, tl.load(TARGETS + row + offs_m, mask=in_m, other=-1), tl.load(DOCS + row + offs_m, mask=in_m, other=-1),
+            tl.load(OWN_ONLY + row + offs_m, mask=in_m, other=0) != 0)
+
+
+@triton.jit
+def _query_grads(LSE_DOC, LSE_MATCH, GRAD_DOC, GRAD_MATCH, row, offs_m, T):
+    """A query block's two LSEs (base 2) and their gradients (zeros past T)."""
+    in_m = offs_m < T
+    return (tl.load(LSE_DOC + row + offs_m, mask=in_m, other=0.0) * 1.4426950408889634,
+            tl.load(LSE_MATCH + row + offs_m, mask=in_m, other=0.0) * 1.4426950408889634,
+            tl.load(GRAD_DOC + row + offs_m, mask=in_m, other=0.0),
+            tl.load(GRAD_MATCH + row + offs_m, mask=in_m, other=0.0))
+
+
+@triton.jit
 def cp_lses_forward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, LSE_DOC, LSE_MATCH, T,
                     SCALE_LOG2: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Both log-sum-exps of a query block, in float32, over the key blocks from its document's start (base-2 sums:
     the scale is the score scale times log2 e; a constant, as a float argument would be fp64 under inductor)."""
     m_block, row = tl.program_id(0), tl.program_id(1) * T
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
     in_m = offs_m < T
-    q = tl.load(Q + (row + offs_m)[:, None] * D + offs_d[None, :], mask=in_m[:, None], other=0.0)
-    target_q = tl.load(TARGETS + row + offs_m, mask=in_m, other=-1)
-    doc_q = tl.load(DOCS + row + offs_m, mask=in_m, other=-1)
-    own_only_q = tl.load(OWN_ONLY + row + offs_m, mask=in_m, other=0) != 0
+    q, target_q, doc_q, own_only_q = _query_rows(Q, TARGETS, DOCS, OWN_ONLY, row, offs_m, T, D)
     doc_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     match_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     doc_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -67,10 +90,7 @@ def cp_lses_forward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, LSE_DOC, LSE_
     hi = tl.minimum((m_block + 1) * BLOCK_M, T)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        in_n = offs_n < T
-        k = tl.load(K + (row + offs_n)[:, None] * D + offs_d[None, :], mask=in_n[:, None], other=0.0)
-        doc_k = tl.load(DOCS + row + offs_n, mask=in_n, other=-2)
-        ids_k = tl.load(IDS + row + offs_n, mask=in_n, other=-2)
+        k, doc_k, ids_k = _key_rows(K, DOCS, IDS, row, offs_n, T, D)
         s = tl.dot(q, tl.trans(k)) * SCALE_LOG2
         causal_doc, match = _masks(offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k)
         doc_max, doc_sum = _online_lse(doc_max, doc_sum, s, causal_doc)
@@ -99,55 +119,37 @@ def cp_lses_backward(Q, K, IDS, TARGETS, DOCS, OWN_ONLY, DOC_START, DOC_END, LSE
     offs_d = tl.arange(0, D)
     if not FOR_KEYS:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        in_m = offs_m < T
-        q = tl.load(Q + (row + offs_m)[:, None] * D + offs_d[None, :], mask=in_m[:, None], other=0.0)
-        target_q = tl.load(TARGETS + row + offs_m, mask=in_m, other=-1)
-        doc_q = tl.load(DOCS + row + offs_m, mask=in_m, other=-1)
-        own_only_q = tl.load(OWN_ONLY + row + offs_m, mask=in_m, other=0) != 0
-        lse_doc2 = tl.load(LSE_DOC + row + offs_m, mask=in_m, other=0.0) * 1.4426950408889634
-        lse_match2 = tl.load(LSE_MATCH + row + offs_m, mask=in_m, other=0.0) * 1.4426950408889634
-        grad_doc = tl.load(GRAD_DOC + row + offs_m, mask=in_m, other=0.0)
-        grad_match = tl.load(GRAD_MATCH + row + offs_m, mask=in_m, other=0.0)
+        q, target_q, doc_q, own_only_q = _query_rows(Q, TARGETS, DOCS, OWN_ONLY, row, offs_m, T, D)
+        lse_doc2, lse_match2, grad_doc, grad_match = _query_grads(LSE_DOC, LSE_MATCH, GRAD_DOC, GRAD_MATCH, row,
+                                                                  offs_m, T)
         dq = tl.zeros([BLOCK_M, D], tl.float32)
         lo = tl.load(DOC_START + row + pid * BLOCK_M) // BLOCK_N * BLOCK_N
         hi = tl.minimum((pid + 1) * BLOCK_M, T)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            in_n = offs_n < T
-            k = tl.load(K + (row + offs_n)[:, None] * D + offs_d[None, :], mask=in_n[:, None], other=0.0)
-            doc_k = tl.load(DOCS + row + offs_n, mask=in_n, other=-2)
-            ids_k = tl.load(IDS + row + offs_n, mask=in_n, other=-2)
+            k, doc_k, ids_k = _key_rows(K, DOCS, IDS, row, offs_n, T, D)
             ds = _score_grads(q, k, offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k, lse_doc2, lse_match2,
                               grad_doc, grad_match, SCALE_LOG2)
             dq += tl.dot(ds.to(k.dtype), k)
         tl.store(DQ + (row + offs_m)[:, None] * D + offs_d[None, :], (dq * SCALE).to(DQ.dtype.element_ty),
-                 mask=in_m[:, None])
+                 mask=(offs_m < T)[:, None])
     else:
         n_block = pid
         offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_n = offs_n < T
-        k = tl.load(K + (row + offs_n)[:, None] * D + offs_d[None, :], mask=in_n[:, None], other=0.0)
-        doc_k = tl.load(DOCS + row + offs_n, mask=in_n, other=-2)
-        ids_k = tl.load(IDS + row + offs_n, mask=in_n, other=-2)
+        k, doc_k, ids_k = _key_rows(K, DOCS, IDS, row, offs_n, T, D)
         dk = tl.zeros([BLOCK_N, D], tl.float32)
         lo = n_block * BLOCK_N // BLOCK_M * BLOCK_M
         hi = tl.load(DOC_END + row + tl.minimum((n_block + 1) * BLOCK_N, T) - 1) + 1
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            in_m = offs_m < T
-            q = tl.load(Q + (row + offs_m)[:, None] * D + offs_d[None, :], mask=in_m[:, None], other=0.0)
-            target_q = tl.load(TARGETS + row + offs_m, mask=in_m, other=-1)
-            doc_q = tl.load(DOCS + row + offs_m, mask=in_m, other=-1)
-            own_only_q = tl.load(OWN_ONLY + row + offs_m, mask=in_m, other=0) != 0
-            lse_doc2 = tl.load(LSE_DOC + row + offs_m, mask=in_m, other=0.0) * 1.4426950408889634
-            lse_match2 = tl.load(LSE_MATCH + row + offs_m, mask=in_m, other=0.0) * 1.4426950408889634
-            grad_doc = tl.load(GRAD_DOC + row + offs_m, mask=in_m, other=0.0)
-            grad_match = tl.load(GRAD_MATCH + row + offs_m, mask=in_m, other=0.0)
+            q, target_q, doc_q, own_only_q = _query_rows(Q, TARGETS, DOCS, OWN_ONLY, row, offs_m, T, D)
+            lse_doc2, lse_match2, grad_doc, grad_match = _query_grads(LSE_DOC, LSE_MATCH, GRAD_DOC, GRAD_MATCH, row,
+                                                                      offs_m, T)
             ds = _score_grads(q, k, offs_m, offs_n, doc_q, doc_k, target_q, own_only_q, ids_k, lse_doc2, lse_match2,
                               grad_doc, grad_match, SCALE_LOG2)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
         tl.store(DK + (row + offs_n)[:, None] * D + offs_d[None, :], (dk * SCALE).to(DK.dtype.element_ty),
-                 mask=in_n[:, None])
+                 mask=(offs_n < T)[:, None])
 
 
 def _document_bounds(doc_ids):
