@@ -69,7 +69,7 @@ class Hyperparameters:
     # Copy-Paste head (see CopyPasteHead)
     cplm: int = 0  # 0: vanilla GPT; 1: CPLM (CP head + <copy> gate + mixture loss)
     cp_dim: int = 64  # width of the CP head's queries and keys
-    cp_backend: str = "auto"  # CP sums: "flex" (FlexAttention), "dense" (chunked), "lse_kernel" (cp_kernel.py); auto: flex on CUDA
+    cp_backend: str = "auto"  # CP sums by "flex", "dense" (chunked) or "lse_kernel" (cp_kernel.py); auto: flex on CUDA
     cp_chunk: int = 0  # dense CP sums: queries per chunk (each chunk a compiled shape); 0: 4096 on CUDA, 512 on CPU
     cp_optimizer: str = "adam"  # W_Q, W_K trained by "adam" (at lr_cp) or "muon" (at lr_muon)
     lr_cp: float = 0.008  # Adam learning rate of W_Q and W_K

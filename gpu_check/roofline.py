@@ -32,6 +32,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -561,23 +562,31 @@ def changes(modes, tiles, card):
            *flex_kernels(dict(op, backward=True), tiles["CP document mask"], matmuls=3, vectors=4, lses=4,
                          delta=False)]
     plain = lambda nbytes: dict(bytes=nbytes, flops=0, rate="bf16")  # noqa: E731
-    now = ([k for k in cplm if k["category"] == CATEGORIES[1] and k["what"].startswith("flex")],
+    now = (cp_flex_kernels(cplm),
            [k for k in cplm if k.get("logits")],
            [k for k in cplm if k.get("match_tiles")])
     after = (one, [plain(2 * T * Vp), plain(4 * T * Vp)],
              [plain(6 * (nb * nb + nb) * 4)])  # the four lists of the document mask read, the two written
 
-    def cost(kernels):
-        times = [seconds(k, card) for k in kernels]
-        return sum(times), sum(max(t, LAUNCH_FLOOR_S) for t in times)
-
     out = {}
     for name, old, new in zip(CHANGES, now, after):
-        (a, b), (c, d) = cost(old), cost(new if old else [])
+        (a, b), (c, d) = cost(old, card), cost(new if old else [], card)
         out[name] = (len(old), len(new) if old else 0, (a - c, b - d))
     return out
 
 
+def cp_flex_kernels(kernels):
+    """The CP head's FlexAttention kernels among a mode's (its two ops' forward, backward and delta kernels)."""
+    return [k for k in kernels if k["category"] == CATEGORIES[1] and k["what"].startswith("flex")]
+
+
+def cost(kernels, card):
+    """(seconds, seconds with the launch floor under each kernel) of these kernels on the card (totals')."""
+    t = totals(kernels, card)
+    return t["seconds"], t["floored"]
+
+
+@functools.lru_cache(maxsize=None)  # as_written asks once a card for the same row
 def kernel_tiles(T, block, seed=0):
     """The tiles cp_kernel.py's programs visit on the representative row (representative_tiles'), block x block:
     {"queries": ..., "keys": ...}, each (tiles, 0, the longest loop). A query block's loop (the forward, dq) runs from
@@ -597,7 +606,6 @@ def as_written(modes, card):
     writes it: a forward (one matmul a tile; reads q and k, writes both LSEs), dq (two: Q K^T again and dS K) and dk
     (Q K^T and dS^T Q), each reading q, k, both LSEs and their gradients; 64 x 64 tiles from kernel_tiles; the int32
     ids, targets, document ids and bounds and the int8 flags, 21 bytes a token, counted as 5.25 float rows."""
-    cplm = modes["CPLM"]["kernels"]
     op = next(o for o in modes["CPLM"]["flex"] if o["role"] == "CP document mask")
     tiles = kernel_tiles(op["T"], 64)
     ints = 21 / 4
@@ -606,9 +614,8 @@ def as_written(modes, card):
                          block=64),
            *flex_kernels(dict(op, backward=True), tiles["keys"], matmuls=2, vectors=3, lses=4 + ints, delta=False,
                          block=64)]
-    old = [k for k in cplm if k["category"] == CATEGORIES[1] and k["what"].startswith("flex")]
-    (a, b), (c, d) = ((sum(t), sum(max(x, LAUNCH_FLOOR_S) for x in t)) for t in
-                      ([seconds(k, card) for k in old], [seconds(k, card) for k in new]))
+    old = cp_flex_kernels(modes["CPLM"]["kernels"])
+    (a, b), (c, d) = cost(old, card), cost(new, card)
     return len(old), len(new), (a - c, b - d)
 
 
@@ -737,21 +744,21 @@ def markdown(modes, tiles, T, wall_s, cards, a=None, command=None):
     lines.append("| all three | | " + " | ".join(
         f"{sum(v[2][0] for v in c.values()) * ms:.2f} ({sum(v[2][1] for v in c.values()) * ms:.2f})"
         for c in per_card) + " |")
-    cells = []
-    for card, c in zip(cards, per_card):
-        (vr, vf), (cr, cf) = step_floor(modes["vanilla"], card), step_floor(modes["CPLM"], card)
-        sr, sf = (sum(v[2][i] for v in c.values()) for i in (0, 1))
-        cells.append(f"{(cr - sr) / vr:.4f} ({(cf - sf) / vf:.4f})")
-    lines.append("| CPLM / vanilla after all three | | " + " | ".join(cells) + " |")
+
+    def ratio_cells(saved):
+        """CPLM / vanilla on each card after saving (seconds, with the launch floor) there."""
+        cells = []
+        for card, (sr, sf) in zip(cards, saved):
+            (vr, vf), (cr, cf) = step_floor(modes["vanilla"], card), step_floor(modes["CPLM"], card)
+            cells.append(f"{(cr - sr) / vr:.4f} ({(cf - sf) / vf:.4f})")
+        return " | ".join(cells)
+    lines.append("| CPLM / vanilla after all three | | " + ratio_cells(
+        [tuple(sum(v[2][i] for v in c.values()) for i in (0, 1)) for c in per_card]) + " |")
     written = [as_written(modes, card) for card in cards]
     lines.append(f"| the first as cp_kernel.py writes it (--cp_backend lse_kernel: a forward, dq and dk; 64 x 64 "
                  f"tiles) | {written[0][0]}, {written[0][1]} | " + " | ".join(
                      f"{w[2][0] * ms:.2f} ({w[2][1] * ms:.2f})" for w in written) + " |")
-    cells = []
-    for card, w in zip(cards, written):
-        (vr, vf), (cr, cf) = step_floor(modes["vanilla"], card), step_floor(modes["CPLM"], card)
-        cells.append(f"{(cr - w[2][0]) / vr:.4f} ({(cf - w[2][1]) / vf:.4f})")
-    lines.append("| CPLM / vanilla with cp_kernel.py | | " + " | ".join(cells) + " |")
+    lines.append("| CPLM / vanilla with cp_kernel.py | | " + ratio_cells([w[2] for w in written]) + " |")
     lines += ["", "## The CP head's FlexAttention ops and attention's, from their tiles", "",
               f"Tiles of 128 x 128 visited on a {T // 1024}Ki-token synthetic row (sum L^2 / T^2 as the GPU check's "
               f"data); attention's windows averaged over the {a.preset} preset's {a.num_iterations} steps "
