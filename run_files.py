@@ -620,8 +620,9 @@ def check_args(a, given=()):
          "(-1: every layer has attention)")
     need(a.cp_backend != "lse_kernel" or (16 <= a.cp_dim <= 256 and a.cp_dim & (a.cp_dim - 1) == 0),
          f"--cp_backend lse_kernel needs --cp_dim a power of two from 16 to 256 (a Triton dot's), not {a.cp_dim}")
-    need(a.cp_backend not in ("flex", "lse_kernel") or torch.cuda.is_available(), f"--cp_backend {a.cp_backend} "
-         "needs a CUDA GPU (FlexAttention has no backward on CPU; the kernel is Triton's): use --cp_backend dense or auto")
+    need(a.cp_backend not in ("flex", "lse_kernel") or torch.cuda.is_available(),
+         f"--cp_backend {a.cp_backend} needs a CUDA GPU (FlexAttention has no backward on CPU; the kernel is "
+         "Triton's): use --cp_backend dense or auto")
     need(a.cplm == 1 or a.copy_gate_init == 0, "--copy_gate_init sets the CP head's gate: it needs --cplm 1")
     need(a.cplm == 1 or a.cp_stop_grad != 1, "--cp_stop_grad is an ablation of the CP head: it needs --cplm 1")
     need(a.copy_gate in ("lm", "sentinel") and (a.copy_gate == "lm" or (a.cplm == 1 and a.copy_gate_init == 0)),

@@ -167,9 +167,9 @@ def timing_line(times, T=TIMING_T):
     """The CP sums' time per backend (time_cp_sums' rounds on a row of T tokens) as a report line."""
     flex, kernel = (statistics.median(times[b]) for b in ("flex", "lse_kernel"))
     ratios = sorted(a / b for a, b in zip(times["lse_kernel"], times["flex"]))
-    return (f"CP sums forward + backward on a {T // 1024}Ki-token row, compiled (median of {len(ratios)} alternating rounds): "
-            f"flex {flex:.3f} ms, lse_kernel {kernel:.3f} ms, the kernel saves {flex - kernel:.3f} ms a row (kernel / "
-            f"flex {statistics.median(ratios):.3f}, the rounds' range {ratios[0]:.3f}-{ratios[-1]:.3f})")
+    return (f"CP sums forward + backward on a {T // 1024}Ki-token row, compiled (median of {len(ratios)} alternating "
+            f"rounds): flex {flex:.3f} ms, lse_kernel {kernel:.3f} ms, the kernel saves {flex - kernel:.3f} ms a row "
+            f"(kernel / flex {statistics.median(ratios):.3f}, the rounds' range {ratios[0]:.3f}-{ratios[-1]:.3f})")
 
 
 def synchronize(dev):

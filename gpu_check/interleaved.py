@@ -43,7 +43,8 @@ import train_gpt_cplm as tg  # noqa: E402
 from gpu_turn import limit_gpu_memory, take_turn  # noqa: E402
 
 MODES = {"vanilla": dict(cplm=0), "cplm_loss": dict(cplm=0), "cplm": dict(cplm=1, copy_gate="lm"),
-         "sentinel": dict(cplm=1, copy_gate="sentinel"), "cplm_kernel": dict(cplm=1, copy_gate="lm", cp_backend="lse_kernel")}
+         "sentinel": dict(cplm=1, copy_gate="sentinel"),
+         "cplm_kernel": dict(cplm=1, copy_gate="lm", cp_backend="lse_kernel")}
 PHASES = ("forward", "backward", "optimizer")
 
 
